@@ -1,0 +1,102 @@
+"""`tandem generate | serve | bench ...`"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from tandem.config import CacheConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options as flags, named as vLLM names them."""
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+                block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem import LLM, SamplingParams
+
+    prompts: list[str] = list(args.prompt or [])
+    if args.input:
+        with open(args.input) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    prompts.append(row["prompt"] if isinstance(row, dict) else row)
+    if not prompts:
+        print("error: give --prompt TEXT or --input FILE.jsonl", file=sys.stderr)
+        return 2
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.outputs[0].text,
+                              "finish_reason": out.outputs[0].finish_reason}))
+        else:
+            print(f"--- {prompt!r}\n{out.outputs[0].text}\n[{out.outputs[0].finish_reason}]")
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{len(outs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f}s: "
+          f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation over prompts or a JSONL file")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", "-p", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--input", help="JSONL file: one {\"prompt\": ...} per line")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Engine settings as plain dataclasses: one place for every default."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class ModelConfig:
+    """Where the weights come from and how they are held."""
+
+    model: str | None = None  # GGUF file, HF directory, or None for the default model
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # The pool is sized from a memory budget unless num_blocks is given explicitly.
+    kv_cache_memory: float = 4.0  # GiB
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    # "builtin" is Python's hash over a tuple (fast, per-process salted); "sha256" resists collisions.
+    prefix_caching_hash_algo: str = "builtin"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 1024  # the per-step token budget shared by prefill chunks and decodes
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    # Speculative decoding reserves room for this many extra tokens per running request per step.
+    num_lookahead_tokens: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    num_threads: int = field(default_factory=available_cpus)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: object) -> EngineConfig:
+        """Build a config from flat keyword arguments, as `LLM(...)` and the CLI take them."""
+        cfg = cls()
+        cfg.model.model = model
+        sections = (cfg.model, cfg.cache, cfg.scheduler, cfg.parallel)
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            target = next((s for s in sections if key in s.__dataclass_fields__), None)
+            if target is None:
+                raise TypeError(f"unknown engine option {key!r}")
+            if key == "dtype":
+                value = parse_dtype(value)  # type: ignore[arg-type]
+            setattr(target, key, value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
+            raise ValueError("num_blocks must be positive")
+        if self.cache.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.scheduler.max_num_batched_tokens < 1 or self.scheduler.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.cache.prefix_caching_hash_algo not in ("builtin", "sha256"):
+            raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
+        if self.parallel.num_threads < 1:
+            raise ValueError("num_threads must be positive")

@@ -1,0 +1,109 @@
+"""EngineCore: one step = schedule, run the model, sample, update. Token ids in, token ids out.
+
+It knows nothing of text: tokenizing, detokenizing and stop strings live in the frontend
+(LLMEngine offline, the API server's process online), so the core can run in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.request import Request
+from tandem.engine.runner import ModelRunner, StepTimings, num_kv_blocks
+from tandem.engine.sampler import SampleLogprobs
+from tandem.engine.scheduler import Scheduler, SchedulerStats
+from tandem.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepStats:
+    num_scheduled_tokens: int = 0
+    num_requests: int = 0
+    schedule_s: float = 0.0
+    update_s: float = 0.0
+    runner: StepTimings = field(default_factory=StepTimings)
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.update_s + self.runner.prepare_s + self.runner.forward_s + self.runner.sample_s
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
+        torch.set_num_threads(config.parallel.num_threads)
+        self.config = config
+        num_blocks = num_kv_blocks(config, model.cfg)
+        self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings, num_blocks * config.cache.block_size)
+        self.runner = ModelRunner(config, model, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.last_step = StepStats()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
+                 config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
+                 self.max_model_len)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv.pool.num_blocks
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.num_prompt_tokens += request.num_prompt_tokens
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            self.last_step = StepStats(schedule_s=t1 - t0)
+            return []
+        result = self.runner.execute(sched)
+        t2 = time.perf_counter()
+        changed = self.scheduler.update_from_output(sched, result.sampled)
+        outputs = []
+        for r, new in changed:
+            self.num_generation_tokens += len(new)
+            outputs.append(EngineCoreOutput(
+                r.request_id, new, result.logprobs.get(r.request_id, [])[:len(new)], r.status.finish_reason,
+                r.stop_reason, r.num_cached_tokens, r.num_preemptions, r.scheduled_time, r.first_token_time,
+                r.finish_time))
+        self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
+                                   time.perf_counter() - t2, result.timings)
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,95 @@
+"""The model runner: packs a scheduled step into one batch, runs the model, samples.
+
+It owns the KV pool (one tensor, allocated once) and turns a SchedulerOutput into the flat
+tensors the model consumes. Per-step Python work is O(requests), never O(requests x layers).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.request import Request
+from tandem.engine.sampler import SampleLogprobs, sample
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.model.arch import ArchConfig
+from tandem.model.attention import build_attention_metadata
+from tandem.model.llama import LlamaForCausalLM
+
+GiB = 1 << 30
+
+
+@dataclass
+class StepTimings:
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[SampleLogprobs]]
+    timings: StepTimings
+
+
+def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    per_block = arch.kv_bytes_per_token(config.model.dtype.itemsize) * config.cache.block_size
+    return max(int(config.cache.kv_cache_memory * GiB) // per_block, 1)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int) -> None:
+        self.model = model
+        self.block_size = config.cache.block_size
+        self.device = torch.device(config.model.device)
+        arch = model.cfg
+        # torch.zeros is backed by lazily zeroed pages, so a large pool costs nothing until used.
+        self.kv_caches = torch.zeros(arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads,
+                                     arch.head_dim, dtype=config.model.dtype, device=self.device)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        # Single-token queries first: the attention backend serves them with the paged decode kernel.
+        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
+        q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
+        context_lens = np.fromiter((s.request.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
+        max_blocks = max(len(s.block_ids) for s in items)
+        block_tables = np.zeros((len(items), max_blocks), dtype=np.int32)
+        input_ids: list[int] = []
+        sampling: list[Request] = []
+        logits_indices: list[int] = []
+        offset = 0
+        for row, s in enumerate(items):
+            r, start = s.request, s.request.num_computed_tokens
+            block_tables[row, :len(s.block_ids)] = s.block_ids
+            tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
+            input_ids.extend(tokens[start:start + s.num_new_tokens])
+            offset += s.num_new_tokens
+            if start + s.num_new_tokens >= len(tokens):  # reached the end: this request samples
+                sampling.append(r)
+                logits_indices.append(offset - 1)
+        meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
+                                        self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        t1 = time.perf_counter()
+        logits = self.model(ids, meta, self.kv_caches, idx)
+        t2 = time.perf_counter()
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[SampleLogprobs]] = {}
+        if sampling:
+            out = sample(logits.cpu(), sampling)
+            for r, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
+                sampled[r.request_id] = [token]
+                if lp is not None:
+                    logprobs[r.request_id] = [lp]
+        t3 = time.perf_counter()
+        return RunnerOutput(sampled, logprobs, StepTimings(t1 - t0, t2 - t1, t3 - t2))

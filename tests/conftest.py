@@ -1,0 +1,84 @@
+"""Shared fixtures. Every engine a test builds is checked afterwards: every KV block is free."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+DATA = Path(__file__).parent / "data"
+
+
+def assert_pool_clean(engine) -> None:  # noqa: ANN001 (LLMEngine; imported lazily)
+    scheduler = engine.core.scheduler
+    pool = scheduler.kv.pool
+    assert not scheduler.requests, f"requests left in the scheduler: {list(scheduler.requests)}"
+    assert not scheduler.kv.req_blocks, "block tables left behind"
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.num_free_blocks} blocks leaked"
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not engine.outputs.has_unfinished()
+
+
+_engines: list = []
+
+
+@pytest.fixture(autouse=True)
+def _check_engines_after_test() -> Iterator[None]:
+    yield
+    for engine in _engines:
+        assert_pool_clean(engine)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from tandem.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def make_llm() -> Callable[..., object]:
+    """Build an LLM whose pool is checked after every test (engines are cached by options)."""
+    from tandem import LLM
+
+    cache: dict[tuple, LLM] = {}
+
+    def make(**options: object) -> LLM:
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            cache[key] = LLM(**options)
+            _engines.append(cache[key].engine)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(make_llm):  # noqa: ANN001, ANN201
+    return make_llm(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def passages() -> list[str]:
+    return [p for p in (DATA / "passages.txt").read_text().splitlines() if p.strip()]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path: Path):  # noqa: ANN201
+    """Hugging Face transformers on the same GGUF weights (its own dequantizer), float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
