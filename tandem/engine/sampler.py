@@ -42,7 +42,7 @@ def _penalise(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(requests[i].all_token_ids, dtype=torch.long).clamp_(max=vocab - 1)] = True
+            seen[torch.tensor(requests[i].all_token_ids, dtype=torch.long)] = True
             row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
                               row)
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)

@@ -33,6 +33,13 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef TANDEM_CHUNK_TOKENS
+#define TANDEM_CHUNK_TOKENS 256
+#endif
+#ifndef TANDEM_PREFETCH_AHEAD
+#define TANDEM_PREFETCH_AHEAD 2
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -49,6 +56,10 @@ constexpr int64_t kMinPartTokens = 256;
 constexpr int64_t kItemsPerThread = 4;
 // Query heads whose accumulators are held in registers at once (the group is walked in chunks).
 constexpr int kHeadChunk = 4;
+// Tokens per softmax chunk (rounded down to whole blocks).
+constexpr int64_t kChunkTokens = TANDEM_CHUNK_TOKENS;
+// How many block-steps (one block's K or V rows) the prefetch cursor runs ahead.
+constexpr int64_t kPrefetchAhead = TANDEM_PREFETCH_AHEAD;
 
 // p.V on bf16 pairs of tokens (dpbf16) is used for bf16 caches when the ISA has it.
 template <typename T>
@@ -86,6 +97,14 @@ struct Params {
   float* part_l;    // [slots, H]
   float* part_acc;  // [slots, H, D]
 };
+
+// The per-block helpers are forced inline into run_item so a compile-time head_dim propagates
+// into their loops (fully unrolled for the common sizes).
+#if defined(__GNUC__)
+#define TANDEM_INLINE inline __attribute__((always_inline))
+#else
+#define TANDEM_INLINE inline
+#endif
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -147,14 +166,14 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
 
 // Unreduced q.k: a vector whose lanes sum to the dot product.
 template <typename T>
-inline __m512 dot_lanes(const float* q, const T* k, int64_t d) {
+TANDEM_INLINE __m512 dot_lanes(const float* q, const T* k, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
   return acc;
 }
 
 #if defined(__AVX512BF16__)
-inline __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
+TANDEM_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
   // dpbf16 multiplies bf16 pairs and accumulates in float: 32 products per instruction.
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
@@ -188,7 +207,7 @@ struct QueryType<bf16> {
 
 // scores[g][t] = scale * q_g . k_t for the n (<= block size) rows of one kv head in a block.
 template <typename T, typename QT>
-inline void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d, float scale,
+TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d, float scale,
                          float* scores, int64_t s_stride) {
 #if defined(__AVX512F__)
   const __m512 sc = _mm512_set1_ps(scale);
@@ -215,15 +234,15 @@ inline void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride,
 #endif
 }
 
-// Online-softmax update of one head with the scores of one block: rewrites the n scores as
+// Online-softmax update of one head with the scores of one chunk: rewrites the n scores as
 // weights exp(s - m_new) (zero past n, up to the next multiple of 16) and returns the factor by
 // which the head's accumulator must be rescaled.
-inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
 #if defined(__AVX512F__)
-  float bm = kNegInf;
+  __m512 vmax = _mm512_set1_ps(kNegInf);
   for (int64_t t = 0; t < n; t += 16)
-    bm = std::max(bm, _mm512_mask_reduce_max_ps(lane_mask(n - t), _mm512_loadu_ps(s + t)));
-  const float m_new = std::max(m, bm);
+    vmax = _mm512_mask_max_ps(vmax, lane_mask(n - t), vmax, _mm512_loadu_ps(s + t));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
   const __m512 mv = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
@@ -242,7 +261,7 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
     total += s[t];
   }
 #endif
-  // First block: m is -inf and the accumulator is still zero, so the factor does not matter.
+  // First chunk: m is -inf and the accumulator is still zero, so the factor does not matter.
   const float alpha = (m == kNegInf) ? 0.0f : std::exp(m - m_new);
   l = l * alpha + total;
   m = m_new;
@@ -250,15 +269,14 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
 }
 
 #if defined(__AVX512F__)
-// acc[g] = acc[g] * alpha[g] + sum_t p[g][t] * v[t] for GB heads (compile-time, so the
+// acc[g] += sum_t p[g][t] * v[t] over the n rows of one block, for GB heads (compile-time, so the
 // accumulators stay in registers). acc rows are `acc_stride` floats.
 template <int GB, typename T>
-inline void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* alpha,
-                             const T* v, int64_t n, int64_t row_stride, int64_t d) {
+TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const T* v,
+                                    int64_t n, int64_t row_stride, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) {
     __m512 a[GB];
-    for (int g = 0; g < GB; ++g)
-      a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i), _mm512_set1_ps(alpha[g]));
+    for (int g = 0; g < GB; ++g) a[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
     for (int64_t t = 0; t < n; ++t) {
       const __m512 vv = load16(v + t * row_stride + i);
       for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
@@ -273,29 +291,29 @@ inline void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int
 // each 32-bit lane holds (v[t][j], v[t+1][j]) and multiplies the broadcast pair (p[t], p[t+1]).
 // unpacklo/hi work within 128-bit lanes, so for each 32-wide chunk of D the two accumulators hold
 //   lo lane 4k+j -> dim 8k+j,   hi lane 4k+j -> dim 8k+4+j      (k = 0..3, j = 0..3)
-// which unpermute_acc() turns back into natural order at the end of the item. pb holds p as bf16
-// (zero past n, so an odd count pairs its last token with a zero weight).
+// which unpermute_acc() turns back into natural order at the end of the item. pb holds p as bf16.
 template <int GB>
-inline void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint16_t* pb, int64_t p_stride,
-                               const float* alpha, const bf16* v, int64_t n, int64_t row_stride, int64_t d) {
+TANDEM_INLINE void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint16_t* pb, int64_t p_stride,
+                                      const bf16* v, int64_t n, int64_t row_stride, int64_t d) {
   for (int64_t i = 0; i < d; i += 32) {
     const __mmask32 width = d - i >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
     __m512 lo[GB], hi[GB];
     for (int g = 0; g < GB; ++g) {
-      const __m512 al = _mm512_set1_ps(alpha[g]);
-      lo[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i), al);
-      hi[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + i + 16), al);
+      lo[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
+      hi[g] = _mm512_loadu_ps(acc + g * acc_stride + i + 16);
     }
     for (int64_t t = 0; t < n; t += 2) {
+      const bool odd = t + 1 == n;
       const __m512i r0 = _mm512_maskz_loadu_epi16(width, v + t * row_stride + i);
-      // The row after the last valid token may hold anything (even NaN): use zeros instead.
-      const __m512i r1 = t + 1 < n ? _mm512_maskz_loadu_epi16(width, v + (t + 1) * row_stride + i)
-                                   : _mm512_setzero_si512();
+      // An odd count's last token pairs with zeros (the next row may hold anything, even NaN) and
+      // a zero weight (the next weight belongs to the next block).
+      const __m512i r1 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(width, v + (t + 1) * row_stride + i);
       const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
       const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
       for (int g = 0; g < GB; ++g) {
         uint32_t pair;
         std::memcpy(&pair, pb + g * p_stride + t, sizeof(pair));
+        if (odd) pair &= 0xFFFFu;
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         lo[g] = _mm512_dpbf16_ps(lo[g], pp, vlo);
         hi[g] = _mm512_dpbf16_ps(hi[g], pp, vhi);
@@ -320,49 +338,39 @@ inline void unpermute_acc(float* acc, int64_t d) {
 }
 #endif
 
-// p.V for the G heads of one kv head: dispatches chunks of up to kHeadChunk heads to the
+// p.V over one block for the G heads of one kv head; chunks of up to kHeadChunk heads go to the
 // register-blocked versions above.
 template <typename T>
-inline void block_accumulate(float* acc, int64_t acc_stride, float* p, uint16_t* pb, int64_t p_stride,
-                             const float* alpha, const T* v, int64_t n, int64_t row_stride, int64_t G, int64_t d) {
+TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float* p, const uint16_t* pb,
+                                    int64_t p_stride, const T* v, int64_t n, int64_t row_stride, int64_t G,
+                                    int64_t d) {
 #if defined(__AVX512F__)
   if constexpr (kPairV<T>) {
 #if defined(__AVX512BF16__)
-    for (int64_t g = 0; g < G; ++g)  // weights to bf16 (lanes past n are already zero)
-      for (int64_t t = 0; t < n; t += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * p_stride + t),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * p_stride + t)));
     for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
       float* a = acc + g0 * acc_stride;
       const uint16_t* pg = pb + g0 * p_stride;
       switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
       }
     }
 #endif
   } else {
-    (void)pb;
     for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
       float* a = acc + g0 * acc_stride;
       const float* pg = p + g0 * p_stride;
       switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
-        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, alpha + g0, v, n, row_stride, d); break;
+        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
       }
     }
   }
 #else
-  (void)pb;
-  for (int64_t g = 0; g < G; ++g) {
-    float* ag = acc + g * acc_stride;
-    if (alpha[g] != 1.0f)
-      for (int64_t i = 0; i < d; ++i) ag[i] *= alpha[g];
-  }
   for (int64_t t = 0; t < n; ++t) {
     const T* vt = v + t * row_stride;
     for (int64_t g = 0; g < G; ++g) {
@@ -371,6 +379,16 @@ inline void block_accumulate(float* acc, int64_t acc_stride, float* p, uint16_t*
       for (int64_t i = 0; i < d; ++i) ag[i] += pg * static_cast<float>(vt[i]);
     }
   }
+#endif
+}
+
+// Scores as bf16 weights for the pair path (lanes past n are already zero).
+TANDEM_INLINE void weights_to_bf16(const float* p, uint16_t* pb, int64_t n) {
+#if defined(__AVX512BF16__)
+  for (int64_t t = 0; t < n; t += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
+#else
+  for (int64_t t = 0; t < n; ++t) pb[t] = c10::BFloat16(p[t]).x;
 #endif
 }
 
@@ -394,30 +412,40 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64
 template <typename T>
 struct Scratch {
   std::vector<typename QueryType<T>::type> q;  // [heads of the item, D]
-  std::vector<float> scores;                   // [G, s_stride], reused for each kv head
-  std::vector<uint16_t> pb;                    // scores as bf16 for the pair path, same shape
-  std::vector<float> acc, m, l, alpha;         // [heads of the item, acc_stride], [heads], ...
+  std::vector<float> scores;                   // [heads of the item, s_stride]: one chunk's scores
+  std::vector<uint16_t> pb;                    // the same as bf16 weights (pair path)
+  std::vector<float> acc, m, l;                // [heads of the item, acc_stride], [heads], [heads]
   int64_t s_stride, acc_stride;
-  Scratch(int64_t h, int64_t g, int64_t d, int64_t bs)
+  Scratch(int64_t h, int64_t d, int64_t chunk_tokens)
       : q(h * d),
-        scores(g * round_up(bs, 16), 0.0f),
-        pb(g * round_up(bs, 16) + 2, 0),
+        scores(h * round_up(chunk_tokens + 16, 16), 0.0f),
+        pb(h * round_up(chunk_tokens + 16, 16) + 2, 0),
         acc(h * round_up(d, 32)),
         m(h),
         l(h),
-        alpha(h),
-        s_stride(round_up(bs, 16)),
+        s_stride(round_up(chunk_tokens + 16, 16)),  // +16: a block's 16-wide score store may overhang
         acc_stride(round_up(d, 32)) {}
 };
 
-template <typename T>
+// Blocks per chunk: the softmax max/sum bookkeeping runs once per chunk rather than per block.
+inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
+
+// DC is head_dim when known at compile time (common sizes), else 0 and P.d is used.
+//
+// The item's blocks are taken a chunk at a time: scores for every block of the chunk (K), one
+// softmax update per head, then the weighted sum of V over the chunk. A prefetch cursor runs
+// kPrefetchAhead steps ahead in exactly that consumption order (K blocks of a chunk, then its V
+// blocks, then the next chunk's), one block's rows per step; blocks are scattered, so without it
+// each block would start with a full memory-latency stall.
+template <typename T, int DC>
 void run_item(const Params& P, const Item& it, Scratch<T>& S) {
-  const int64_t G = P.group, D = P.d, BS = P.bs;
+  const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
   const int64_t row_stride = P.kvh * D;  // one token's row: all kv heads side by side
   const int64_t block_stride = BS * row_stride;
   const int64_t n_kv = it.kvh_end - it.kvh;
   const int64_t h0 = static_cast<int64_t>(it.kvh) * G, nh = n_kv * G;  // query heads of the item
-  const int64_t AS = S.acc_stride;
+  const int64_t AS = S.acc_stride, SS = S.s_stride;
+  const int64_t CB = chunk_blocks(BS);
   const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const int64_t len = P.seq_lens[it.seq];
   const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
@@ -430,27 +458,49 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   std::fill_n(S.l.begin(), nh, 0.0f);
 
   auto rows_in = [&](int64_t b) { return std::min<int64_t>(BS, len - b * BS); };
-  auto prefetch_block = [&](int64_t b) {
-    const int64_t phys = bt[b];
-    prefetch_rows(kbase + phys * block_stride, rows_in(b), row_stride, n_kv * D);
-    prefetch_rows(vbase + phys * block_stride, rows_in(b), row_stride, n_kv * D);
+  // Step s of the consumption order -> prefetch that block's K or V rows.
+  const int64_t n_steps = 2 * (it.blk_end - it.blk_begin);
+  auto prefetch_step = [&](int64_t s) {
+    if (s >= n_steps) return;
+    const int64_t c0 = it.blk_begin + s / (2 * CB) * CB;
+    const int64_t nb = std::min<int64_t>(CB, it.blk_end - c0);
+    const int64_t r = s % (2 * CB);
+    const int64_t b = c0 + (r < nb ? r : r - nb);
+    prefetch_rows((r < nb ? kbase : vbase) + bt[b] * block_stride, rows_in(b), row_stride, n_kv * D);
   };
-  // The next block is always requested one block ahead: blocks are scattered, so without this
-  // every block would start with a full memory-latency stall.
-  prefetch_block(it.blk_begin);
-  for (int64_t b = it.blk_begin; b < it.blk_end; ++b) {
-    if (b + 1 < it.blk_end) prefetch_block(b + 1);
-    const int64_t n = rows_in(b);
-    const int64_t phys = bt[b];
-    for (int64_t j = 0; j < n_kv; ++j) {
-      const T* kb = kbase + phys * block_stride + j * D;
-      const T* vb = vbase + phys * block_stride + j * D;
-      block_scores(S.q.data() + j * G * D, G, kb, row_stride, n, D, P.scale, S.scores.data(), S.s_stride);
-      float* alpha = S.alpha.data() + j * G;
-      for (int64_t g = 0; g < G; ++g)
-        alpha[g] = softmax_update(S.scores.data() + g * S.s_stride, n, S.m[j * G + g], S.l[j * G + g]);
-      block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data(), S.pb.data(), S.s_stride, alpha, vb, n,
-                       row_stride, G, D);
+  for (int64_t s = 0; s < kPrefetchAhead; ++s) prefetch_step(s);
+  int64_t step = 0;
+
+  for (int64_t c0 = it.blk_begin; c0 < it.blk_end; c0 += CB) {
+    const int64_t c1 = std::min<int64_t>(it.blk_end, c0 + CB);
+    const int64_t ntok = std::min<int64_t>(len, c1 * BS) - c0 * BS;
+
+    // q.k for every block of the chunk; scores of head h at S.scores[h * SS + token in chunk].
+    for (int64_t b = c0, off = 0; b < c1; ++b) {
+      prefetch_step(step++ + kPrefetchAhead);
+      const int64_t n = rows_in(b);
+      const T* kb = kbase + bt[b] * block_stride;
+      for (int64_t j = 0; j < n_kv; ++j)
+        block_scores(S.q.data() + j * G * D, G, kb + j * D, row_stride, n, D, P.scale,
+                     S.scores.data() + j * G * SS + off, SS);
+      off += n;
+    }
+
+    for (int64_t h = 0; h < nh; ++h) {
+      const float alpha = softmax_update(S.scores.data() + h * SS, ntok, S.m[h], S.l[h]);
+      if (alpha != 1.0f)
+        for (int64_t i = 0; i < AS; ++i) S.acc[h * AS + i] *= alpha;
+      if constexpr (kPairV<T>) weights_to_bf16(S.scores.data() + h * SS, S.pb.data() + h * SS, ntok);
+    }
+
+    for (int64_t b = c0, off = 0; b < c1; ++b) {
+      prefetch_step(step++ + kPrefetchAhead);
+      const int64_t n = rows_in(b);
+      const T* vb = vbase + bt[b] * block_stride;
+      for (int64_t j = 0; j < n_kv; ++j)
+        block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data() + j * G * SS + off,
+                         S.pb.data() + j * G * SS + off, SS, vb + j * D, n, row_stride, G, D);
+      off += n;
     }
   }
 
@@ -579,12 +629,13 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(nthreads, n_items);
+  auto item_fn = P.d == 64 ? &run_item<T, 64> : P.d == 128 ? &run_item<T, 128> : &run_item<T, 0>;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<T> scratch(kv_per_chunk * G, G, P.d, BS);
+    Scratch<T> scratch(kv_per_chunk * G, P.d, chunk_blocks(BS) * BS);
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
          i = next.fetch_add(1, std::memory_order_relaxed))
-      run_item<T>(P, items[i], scratch);
+      item_fn(P, items[i], scratch);
   });
   if (!splits.empty()) {
     at::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t b, int64_t e) {

@@ -1,0 +1,141 @@
+"""Property-based stress of the scheduler and the KV cache manager, without a model.
+
+Arrivals, prompt lengths, output lengths and aborts are drawn by hypothesis; each step the
+'model' returns a token for every request that reached its end. After every step the pool's
+invariants must hold, and after the run every block is free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.kv.block_pool import BlockPool
+from tandem.sampling_params import SamplingParams
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    kv = scheduler.kv
+    pool: BlockPool = kv.pool
+    users = Counter(b.block_id for blocks in kv.req_blocks.values() for b in blocks)
+    for block in pool.blocks:
+        assert block.ref_cnt == users[block.block_id], f"block {block.block_id}: ref {block.ref_cnt}"
+    free = list(pool.free_queue)
+    assert len(free) == pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    assert len({b.block_id for b in free}) == len(free)
+    assert all(b.ref_cnt == 0 for b in free)
+    # Without prefix caching no block is shared; with it, only blocks with a hash can be.
+    for block_id, n in users.items():
+        assert n == 1 or pool.blocks[block_id].block_hash is not None
+    for blocks in kv.req_blocks.values():
+        assert len({b.block_id for b in blocks}) == len(blocks), "a block twice in one table"
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+    for r in scheduler.running:
+        assert len(kv.req_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
+
+
+requests_strategy = st.lists(
+    st.tuples(st.integers(0, 6),  # arrival step
+              st.integers(1, 120),  # prompt length
+              st.integers(1, 40),  # max_tokens
+              st.integers(0, 3),  # which of a few shared prefixes (prefix-cache sharing)
+              st.one_of(st.none(), st.integers(1, 30))),  # abort at this step, or never
+    min_size=1, max_size=24)
+
+
+@settings(max_examples=120, deadline=None)
+@given(reqs=requests_strategy, num_blocks=st.integers(10, 60), budget=st.sampled_from([8, 32, 256]),
+       max_seqs=st.sampled_from([2, 8, 64]), caching=st.booleans(), salts=st.booleans())
+def test_scheduler_keeps_pool_invariants(reqs, num_blocks, budget, max_seqs, caching, salts) -> None:  # noqa: ANN001
+    block_size = 4
+    max_len = num_blocks * block_size
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+                          CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+                          num_blocks, max_len)
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
+    aborts: dict[int, list[str]] = {}
+    step, finished = 0, 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, plen, max_tokens, prefix, abort_at) = pending.pop(0)
+            plen = min(plen, max_len - max_tokens) if max_len > max_tokens else 1
+            prompt = [(prefix * 1000 + t) % 500 for t in range(plen)]
+            params = SamplingParams(max_tokens=min(max_tokens, max_len - plen), ignore_eos=True)
+            scheduler.add_request(Request(str(i), prompt, params, cache_salt=str(i % 2) if salts else None))
+            if abort_at is not None:
+                aborts.setdefault(step + abort_at, []).append(str(i))
+        for rid in aborts.pop(step, []):
+            scheduler.abort(rid)
+        out = scheduler.schedule()
+        check_invariants(scheduler)
+        assert out.total_num_tokens <= budget
+        assert len(out.scheduled) <= max_seqs
+        sampled = {s.request.request_id: [step % 500] for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens}
+        for request, _ in scheduler.update_from_output(out, sampled):
+            finished += request.is_finished
+        check_invariants(scheduler)
+        step += 1
+        assert step < 5000, "no progress: the scheduler deadlocked"
+    pool = scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not scheduler.kv.req_blocks
+
+
+def test_salts_never_share_blocks() -> None:
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 64, 256)
+    prompt = list(range(40))
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=4), cache_salt=salt))
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request.request_id: [1] for s in out.scheduled})
+    tables = {rid: set(scheduler.kv.get_block_ids(rid)) for rid in "abc"}
+    assert not tables["a"] & tables["b"]
+    assert len(tables["a"] & tables["c"]) == 9  # 39 of 40 prompt tokens may hit: 9 full blocks
+    for rid in "abc":
+        scheduler.abort(rid)
+    assert scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_prefix_hit_accounting_exact() -> None:
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=16), 64, 1024)
+    shared = list(range(100, 164))  # 4 full blocks
+    scheduler.add_request(Request("first", shared + [1, 2, 3], SamplingParams(max_tokens=1)))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {"first": [7]})  # finishes (max_tokens=1); blocks stay cached
+    scheduler.add_request(Request("second", shared + [9] * 20, SamplingParams(max_tokens=1)))
+    out = scheduler.schedule()
+    second = out.scheduled[0]
+    assert second.request.num_cached_tokens == 64
+    assert second.num_new_tokens == 20
+    stats = scheduler.kv.prefix_stats
+    assert (stats.queries, stats.hits) == (67 + 84, 64)
+    scheduler.update_from_output(out, {"second": [7]})
+    assert scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_preemption_under_pressure_never_deadlocks() -> None:
+    # Two requests that each need most of the pool: one must be preempted and recomputed.
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=4,
+                          enable_prefix_caching=False), 12, 48)
+    for rid in "ab":
+        scheduler.add_request(Request(rid, list(range(20)), SamplingParams(max_tokens=20, ignore_eos=True)))
+    done = set()
+    for _ in range(500):
+        out = scheduler.schedule()
+        sampled = {s.request.request_id: [5] for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens}
+        for r, _ in scheduler.update_from_output(out, sampled):
+            if r.is_finished:
+                done.add(r.request_id)
+                assert r.num_output_tokens == 20
+        if not scheduler.has_unfinished():
+            break
+    assert done == {"a", "b"}
+    assert scheduler.num_preemptions > 0
