@@ -1,10 +1,13 @@
-"""Micro benchmark: compiled paged decode attention vs the PyTorch fallback (one layer, one call).
+"""Micro benchmark: compiled paged decode attention vs the PyTorch fallback (one layer per call).
 
-    python bench/attention_op.py [--threads 2] [--dtype bf16] [--iters 50]
+    python bench/attention_op.py [--threads 2] [--dtype bf16] [--cold-mb 1024]
 
 Defaults are SmolLM2-135M shapes (H=9, KVH=3, D=64, bf16, block size 16) with each sequence's blocks
-scattered randomly through a pool, as they are after some serving time. GB/s counts the K and V bytes
-the call must read (seq_len * KVH * D * 2 tensors), so it compares against memory bandwidth.
+scattered randomly through a pool twice the live size, as after some serving time. Two timings:
+  hot:  the same layer's cache called repeatedly (it stays in the large L3 of server CPUs);
+  cold: calls cycle through enough copies of the cache (--cold-mb) that it comes from DRAM, as in a
+        real model where every layer has its own cache.
+GB/s counts the K and V bytes a call must read (sum of seq_len * KVH * D * 2 tensors).
 """
 
 from __future__ import annotations
@@ -24,24 +27,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tandem.ops import paged_attention as pa  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+Attn = Callable[..., torch.Tensor]
 
 
 def make_inputs(
-    batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    jitter: float = 0.1, seed: int = 0,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    jitter: float = 0.1,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, block_tables, seq_lens with blocks scattered through the pool."""
     g = torch.Generator().manual_seed(seed)
     # Lengths vary a little around seq_len, like a real decode batch.
     lo, hi = max(1, int(seq_len * (1 - jitter))), max(1, int(seq_len * (1 + jitter)))
     lens = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
     nblocks = [math.ceil(int(n) / block_size) for n in lens]
-    max_blocks = max(nblocks)
     num_blocks = 2 * sum(nblocks)  # a pool twice the live size, blocks taken at random from it
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    tables = torch.zeros(batch, max(nblocks), dtype=torch.int32)
     pos = 0
     for i, nb in enumerate(nblocks):
-        tables[i, :nb] = perm[pos:pos + nb]
+        tables[i, :nb] = perm[pos : pos + nb]
         pos += nb
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
@@ -49,15 +60,26 @@ def make_inputs(
     return q, k, v, tables, lens
 
 
-def time_ms(fn: Callable[[], object], iters: int, min_time: float = 0.2) -> float:
-    for _ in range(3):  # warm up caches, allocator and thread pool
-        fn()
+def time_layers(
+    fn: Attn,
+    q: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    min_reps: int,
+    min_time: float = 0.3,
+) -> float:
+    """Median ms per call, each repetition calling once per (k, v) cache in turn."""
+    for k, v in caches[:3]:  # warm up allocator, thread pool, code
+        fn(q, k, v, tables, lens, scale)
     samples: list[float] = []
     start = time.perf_counter()
-    while len(samples) < iters or time.perf_counter() - start < min_time:
+    while len(samples) < min_reps or time.perf_counter() - start < min_time:
         t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+        for k, v in caches:
+            fn(q, k, v, tables, lens, scale)
+        samples.append((time.perf_counter() - t0) / len(caches))
     return statistics.median(samples) * 1e3
 
 
@@ -69,37 +91,59 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=20, help="minimum repetitions per timing")
+    ap.add_argument("--cold-mb", type=int, default=1024, help="cache copies cycled for 'cold' (0: skip)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the (slow) fallback timings")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
 
     op = pa.load_kernel()
-    isa = pa.kernel_isa() if op is not None else f"unavailable: {pa.kernel_error() or 'disabled'}"
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, dtype={args.dtype}, "
-          f"H={args.heads} KVH={args.kv_heads} D={args.head_dim} block={args.block_size}, kernel: {isa}")
+    kernel: Attn | None = None
+    if op is not None:
+        kernel = lambda q, k, v, t, n, s: op(q, k, v, t, n, s)  # noqa: E731 - same signature as torch path
+        isa = pa.kernel_isa()
+    else:
+        isa = f"unavailable: {pa.kernel_error() or 'disabled'}"
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, dtype={args.dtype}, H={args.heads} "
+          f"KVH={args.kv_heads} D={args.head_dim} block={args.block_size}, kernel: {isa}")
 
-    shapes = [(1, 300), (8, 300), (32, 300), (64, 300), (1, 1000), (8, 1000), (32, 1000)]
-    header = f"{'batch':>5} {'seq':>5} {'KV MB':>7} | {'kernel ms':>9} {'GB/s':>6} | {'torch ms':>9} {'GB/s':>6} | {'speedup':>7}"
+    impls: list[tuple[str, Attn | None]] = [("kernel", kernel)]
+    if not args.no_torch:
+        impls.append(("torch", pa.paged_decode_attention_torch))
+    modes = ["hot"] + (["cold"] if args.cold_mb > 0 else [])
+    cols = [f"{name} {mode}" for name, _ in impls for mode in modes]
+    header = f"{'batch':>5} {'seq':>5} {'KV MB':>6} |" + "|".join(f" {c:>11} ms  GB/s " for c in cols)
     print(header)
     print("-" * len(header))
+
+    shapes = [(1, 300), (8, 300), (32, 300), (64, 300), (1, 1000), (8, 1000), (32, 1000)]
     with torch.inference_mode():
         for batch, seq in shapes:
             q, k, v, tables, lens = make_inputs(batch, seq, args.heads, args.kv_heads, args.head_dim,
                                                 args.block_size, dtype)
             scale = args.head_dim**-0.5
             nbytes = 2 * int(lens.sum()) * args.kv_heads * args.head_dim * k.element_size()
-            t_torch = time_ms(lambda: pa.paged_decode_attention_torch(q, k, v, tables, lens, scale), args.iters)
-            row = f"{batch:>5} {seq:>5} {nbytes / 1e6:>7.2f} | "
-            if op is not None:
-                t_kern = time_ms(lambda: op(q, k, v, tables, lens, scale), args.iters)
-                row += f"{t_kern:>9.3f} {nbytes / t_kern / 1e6:>6.1f} | "
-            else:
-                row += f"{'-':>9} {'-':>6} | "
-            row += f"{t_torch:>9.3f} {nbytes / t_torch / 1e6:>6.1f} | "
-            row += f"{t_torch / t_kern:>6.1f}x" if op is not None else f"{'-':>7}"
-            print(row)
+            pool_bytes = 2 * k.numel() * k.element_size()
+            copies = max(2, math.ceil(args.cold_mb * 2**20 / pool_bytes)) if args.cold_mb else 0
+            cold = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
+            row = f"{batch:>5} {seq:>5} {nbytes / 1e6:>6.2f} |"
+            times: dict[str, float] = {}
+            for name, fn in impls:
+                for mode in modes:
+                    if fn is None:
+                        row += f" {'-':>11}    {'-':>5} |"
+                        continue
+                    caches = [(k, v)] if mode == "hot" else cold
+                    reps = args.iters if mode == "hot" else max(3, args.iters // 4)
+                    ms = time_layers(fn, q, caches, tables, lens, scale, reps)
+                    times[f"{name} {mode}"] = ms
+                    row += f" {ms:>11.3f}    {nbytes / ms / 1e6:>5.1f} |"
+            if "kernel hot" in times and "torch hot" in times:
+                row += f" {times['torch hot'] / times['kernel hot']:.1f}x"
+            print(row, flush=True)
+            del cold
 
 
 if __name__ == "__main__":

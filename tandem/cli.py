@@ -69,6 +69,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+    import uvicorn
+
+    from tandem.config import EngineConfig
+    from tandem.model.loader import load_tokenizer
+    from tandem.serve.api import ServerSettings, build_app
+
+    # This process parses HTTP and tokenizes; the model's threads belong to the core process.
+    torch.set_num_threads(1)
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("TANDEM_API_KEY"):
+        keys = [os.environ["TANDEM_API_KEY"]]
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
+                              args.log_level.upper())
+    app = build_app(config, settings, load_tokenizer(args.model))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
     parser.add_argument("--log-level", default="WARNING")
@@ -88,6 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--api-key", action="append", help="required bearer token on /v1/* (repeatable; "
+                     "or TANDEM_API_KEY); each key is its own prefix-cache tenant")
+    srv.add_argument("--max-waiting-requests", type=int, default=512,
+                     help="requests queued without a first token before new ones get 429")
+    srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    srv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
+    srv.add_argument("--uvicorn-log-level", default="warning")
+    srv.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -93,11 +93,19 @@ CASES = [
     ([1000, 3], 9, 3, 64, 16),  # long sequence (split across threads) next to a tiny one
     ([1000], 8, 2, 128, 32),  # batch 1, long: the split-and-merge path alone
     ([15, 250, 1], 4, 1, 64, 16),  # all heads on one kv head (MQA)
+    ([1, 50, 300], 14, 2, 64, 16),  # GQA 7: head group split into register chunks of 4 + 3
+    ([1, 7, 8, 9, 300], 4, 2, 64, 8),  # blocks smaller than the 16-token vector
+    ([1, 2, 3, 45], 2, 1, 64, 1),  # one-token blocks: every block has an odd count
+    ([1, 20, 129], 4, 2, 80, 16),  # D not a multiple of 32, runtime head_dim path
+    ([3, 40], 2, 2, 16, 16),  # smallest head_dim
 ]
 
 
+CASE_IDS = [f"L{max(c[0])}x{len(c[0])}-H{c[1]}-KV{c[2]}-D{c[3]}-B{c[4]}" for c in CASES]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=[f"L{c[0][0]}x{len(c[0])}-H{c[1]}-KV{c[2]}-D{c[3]}-B{c[4]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_matches_naive_reference(impl: Impl, case: tuple, dtype: torch.dtype) -> None:
     seq_lens, heads, kv_heads, head_dim, block_size = case
     args = make_case(seq_lens, heads, kv_heads, head_dim, block_size, dtype)

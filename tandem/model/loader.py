@@ -192,20 +192,24 @@ def load_hf_tokenizer(path: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def load_tokenizer(model: str | None) -> Any | None:
+    """The tokenizer alone (for a process that serves HTTP but holds no weights)."""
+    path = resolve_model_path(model)
+    return load_hf_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)
+
+
 # -- entry point --------------------------------------------------------------------------------
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
     path = resolve_model_path(model)
     if path.is_dir():
         arch, weights = load_hf_weights(path)
-        tokenizer = load_hf_tokenizer(path)
-        name = path.name
     elif path.suffix == ".gguf":
         arch, weights = load_gguf_weights(path)
-        tokenizer = load_gguf_tokenizer(path)
-        name = DEFAULT_MODEL_NAME if model is None else path.stem
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
+    tokenizer = load_tokenizer(str(path))
+    name = DEFAULT_MODEL_NAME if model is None else (path.name if path.is_dir() else path.stem)
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, dtype)

@@ -37,7 +37,7 @@
 #define TANDEM_CHUNK_TOKENS 256
 #endif
 #ifndef TANDEM_PF_LOCALITY
-#define TANDEM_PF_LOCALITY 3
+#define TANDEM_PF_LOCALITY 2
 #endif
 #ifndef TANDEM_PREFETCH_AHEAD
 #define TANDEM_PREFETCH_AHEAD 2
@@ -208,10 +208,48 @@ struct QueryType<bf16> {
 // Per-block steps (each has a vector and a portable version)
 // =============================================================================================
 
+// Software prefetch of one region (rows of a block) spread over the computation: the kernel hands
+// it the region needed a few steps ahead and calls issue() between pieces of work, so each call
+// requests a few cache lines. A burst of prefetches would fill the miss buffers and stall the very
+// computation it should overlap. Prefetches go to L2 (T1): L1 is too small to hold them that long.
+struct Prefetcher {
+  const char* base = nullptr;
+  int64_t stride = 0, width = 0, rows = 0, row = 0, col = 0, quota = 0;
+
+  // Region: `rows` rows of `width` bytes, `stride` bytes apart, spread over ~`calls` issue() calls.
+  TANDEM_INLINE void set(const void* b, int64_t n_rows, int64_t stride_bytes, int64_t width_bytes, int64_t calls) {
+    flush();
+    base = static_cast<const char*>(b);
+    rows = n_rows;
+    row = col = 0;
+    if (width_bytes == stride_bytes) {  // contiguous rows: one range
+      width = width_bytes * n_rows;
+      rows = n_rows > 0 ? 1 : 0;
+    } else {
+      width = width_bytes;
+    }
+    stride = stride_bytes;
+    const int64_t lines = rows * ((width + 63) / 64);
+    quota = std::max<int64_t>(1, (lines + calls - 1) / std::max<int64_t>(1, calls));
+  }
+  TANDEM_INLINE void issue() { issue_n(quota); }
+  TANDEM_INLINE void flush() { issue_n(std::numeric_limits<int64_t>::max()); }
+  TANDEM_INLINE void issue_n(int64_t lines) {
+    for (; lines > 0 && row < rows; --lines) {
+      __builtin_prefetch(base + row * stride + col, 0, TANDEM_PF_LOCALITY);
+      col += 64;
+      if (col >= width) {
+        col = 0;
+        ++row;
+      }
+    }
+  }
+};
+
 // scores[g][t] = scale * q_g . k_t for the n (<= block size) rows of one kv head in a block.
 template <typename T, typename QT>
-TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d, float scale,
-                         float* scores, int64_t s_stride) {
+TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d,
+                                float scale, float* scores, int64_t s_stride, Prefetcher& pf) {
 #if defined(__AVX512F__)
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -222,6 +260,7 @@ TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_
       for (int t = 0; t < 16; ++t)  // rows past n are not read (they may hold anything)
         acc[t] = t < c ? dot_lanes(q + g * d, k + (t0 + t) * row_stride, d) : _mm512_setzero_ps();
       _mm512_storeu_ps(scores + g * s_stride + t0, _mm512_mul_ps(hsum16(acc), sc));
+      pf.issue();
     }
   }
 #else
@@ -233,6 +272,7 @@ TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_
       for (int64_t i = 0; i < d; ++i) acc += static_cast<float>(qg[i]) * static_cast<float>(kr[i]);
       scores[g * s_stride + t] = acc * scale;
     }
+    pf.issue();
   }
 #endif
 }
@@ -276,7 +316,7 @@ TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
 // accumulators stay in registers). acc rows are `acc_stride` floats.
 template <int GB, typename T>
 TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const T* v,
-                                    int64_t n, int64_t row_stride, int64_t d) {
+                                    int64_t n, int64_t row_stride, int64_t d, Prefetcher& pf) {
   for (int64_t i = 0; i < d; i += 16) {
     __m512 a[GB];
     for (int g = 0; g < GB; ++g) a[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
@@ -285,6 +325,7 @@ TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float*
       for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
     }
     for (int g = 0; g < GB; ++g) _mm512_storeu_ps(acc + g * acc_stride + i, a[g]);
+    pf.issue();
   }
 }
 #endif
@@ -297,7 +338,7 @@ TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float*
 // which unpermute_acc() turns back into natural order at the end of the item. pb holds p as bf16.
 template <int GB>
 TANDEM_INLINE void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint16_t* pb, int64_t p_stride,
-                                      const bf16* v, int64_t n, int64_t row_stride, int64_t d) {
+                                      const bf16* v, int64_t n, int64_t row_stride, int64_t d, Prefetcher& pf) {
   for (int64_t i = 0; i < d; i += 32) {
     const __mmask32 width = d - i >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
     __m512 lo[GB], hi[GB];
@@ -326,6 +367,7 @@ TANDEM_INLINE void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint
       _mm512_storeu_ps(acc + g * acc_stride + i, lo[g]);
       _mm512_storeu_ps(acc + g * acc_stride + i + 16, hi[g]);
     }
+    pf.issue();
   }
 }
 
@@ -346,7 +388,7 @@ inline void unpermute_acc(float* acc, int64_t d) {
 template <typename T>
 TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float* p, const uint16_t* pb,
                                     int64_t p_stride, const T* v, int64_t n, int64_t row_stride, int64_t G,
-                                    int64_t d) {
+                                    int64_t d, Prefetcher& pf) {
 #if defined(__AVX512F__)
   if constexpr (kPairV<T>) {
 #if defined(__AVX512BF16__)
@@ -354,10 +396,10 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
       float* a = acc + g0 * acc_stride;
       const uint16_t* pg = pb + g0 * p_stride;
       switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
       }
     }
 #endif
@@ -366,10 +408,10 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
       float* a = acc + g0 * acc_stride;
       const float* pg = p + g0 * p_stride;
       switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
-        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d); break;
+        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
       }
     }
   }
@@ -381,6 +423,7 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
       const float pg = p[g * p_stride + t];
       for (int64_t i = 0; i < d; ++i) ag[i] += pg * static_cast<float>(vt[i]);
     }
+    pf.issue();
   }
 #endif
 }
@@ -393,20 +436,6 @@ TANDEM_INLINE void weights_to_bf16(const float* p, uint16_t* pb, int64_t n) {
 #else
   for (int64_t t = 0; t < n; ++t) pb[t] = c10::BFloat16(p[t]).x;
 #endif
-}
-
-// Prefetch `width` elements of each of `rows` rows; when width == row_stride this is one range.
-template <typename T>
-inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64_t width) {
-  if (width == row_stride) {
-    width *= rows;
-    rows = 1;
-  }
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* p = reinterpret_cast<const char*>(base + r * row_stride);
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, TANDEM_PF_LOCALITY);
-  }
 }
 
 // =============================================================================================
@@ -461,18 +490,26 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   std::fill_n(S.l.begin(), nh, 0.0f);
 
   auto rows_in = [&](int64_t b) { return std::min<int64_t>(BS, len - b * BS); };
-  // Step s of the consumption order -> prefetch that block's K or V rows.
+  // Consumption step s (K or V rows of one block) -> its region for the prefetcher.
   const int64_t n_steps = 2 * (it.blk_end - it.blk_begin);
-  auto prefetch_step = [&](int64_t s, int64_t part, int64_t parts) {
+  const int64_t row_bytes = n_kv * D * static_cast<int64_t>(sizeof(T));
+  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  Prefetcher pf;
+  // issue() calls per step: block_scores makes one per (kv head, 16 tokens, head); the V pass one
+  // per (kv head, head chunk, 32 dims) (16 dims without the pair path).
+  const int64_t k_calls = n_kv * ((BS + 15) / 16) * G;
+  const int64_t v_calls = n_kv * ((G + kHeadChunk - 1) / kHeadChunk) * ((D + 31) / 32) * (kPairV<T> ? 1 : 2);
+  // Queue step s's region, spread over `calls` issue() calls (those of the step now starting).
+  auto prefetch_step = [&](int64_t s, int64_t calls) {
     if (s >= n_steps) return;
     const int64_t c0 = it.blk_begin + s / (2 * CB) * CB;
     const int64_t nb = std::min<int64_t>(CB, it.blk_end - c0);
     const int64_t r = s % (2 * CB);
     const int64_t b = c0 + (r < nb ? r : r - nb);
-    const int64_t rows = rows_in(b), r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
-    prefetch_rows((r < nb ? kbase : vbase) + bt[b] * block_stride + r0 * row_stride, r1 - r0, row_stride, n_kv * D);
+    pf.set((r < nb ? kbase : vbase) + bt[b] * block_stride, rows_in(b), stride_bytes, row_bytes, calls);
   };
-  for (int64_t s = 0; s < kPrefetchAhead; ++s) prefetch_step(s, 0, 1);
+  for (int64_t s = 0; s < kPrefetchAhead; ++s) prefetch_step(s, 1);
+  pf.flush();
   int64_t step = 0;
 
   for (int64_t c0 = it.blk_begin; c0 < it.blk_end; c0 += CB) {
@@ -481,15 +518,12 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
 
     // q.k for every block of the chunk; scores of head h at S.scores[h * SS + token in chunk].
     for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
+      prefetch_step(step + kPrefetchAhead, k_calls);
       const int64_t n = rows_in(b);
       const T* kb = kbase + bt[b] * block_stride;
-      for (int64_t j = 0; j < n_kv; ++j) {
-        // Spread the prefetch of a block over the work on the current one: a burst of prefetches
-        // fills the miss buffers and stalls the computation it was meant to overlap.
-        prefetch_step(step + kPrefetchAhead, j, n_kv);
+      for (int64_t j = 0; j < n_kv; ++j)
         block_scores(S.q.data() + j * G * D, G, kb + j * D, row_stride, n, D, P.scale,
-                     S.scores.data() + j * G * SS + off, SS);
-      }
+                     S.scores.data() + j * G * SS + off, SS, pf);
       off += n;
     }
 
@@ -501,13 +535,12 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
     }
 
     for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
+      prefetch_step(step + kPrefetchAhead, v_calls);
       const int64_t n = rows_in(b);
       const T* vb = vbase + bt[b] * block_stride;
-      for (int64_t j = 0; j < n_kv; ++j) {
-        prefetch_step(step + kPrefetchAhead, j, n_kv);
+      for (int64_t j = 0; j < n_kv; ++j)
         block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data() + j * G * SS + off,
-                         S.pb.data() + j * G * SS + off, SS, vb + j * D, n, row_stride, G, D);
-      }
+                         S.pb.data() + j * G * SS + off, SS, vb + j * D, n, row_stride, G, D, pf);
       off += n;
     }
   }

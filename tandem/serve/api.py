@@ -1,0 +1,383 @@
+"""The OpenAI-compatible HTTP server (FastAPI), in front of the engine core process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import tandem
+from tandem.config import EngineConfig
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.serve.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
+from tandem.serve.metrics import RequestTimer, ServerMetrics
+from tandem.serve.openai_format import Formatter, usage
+from tandem.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    max_waiting_requests: int = 512
+    request_timeout: float | None = 600.0
+    log_level: str = "WARNING"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "BadRequestError", param)
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/*. Pure ASGI (not BaseHTTPMiddleware), so that handlers still see
+    client disconnects. Each key is a tenant: its salt keeps its prefix-cache blocks its own."""
+
+    def __init__(self, app: Any, key_salts: dict[str, str]) -> None:
+        self.app = app
+        self.key_salts = key_salts
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+            key = header[7:] if header.lower().startswith("bearer ") else None
+            if key not in self.key_salts:
+                response = JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401), 401)
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["salt"] = self.key_salts[key]
+        await self.app(scope, receive, send)
+
+
+def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None) -> FastAPI:
+    engine = AsyncEngine(config, tokenizer, settings.log_level)
+    state: dict[str, Any] = {}
+    key_salts = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in settings.api_keys}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        assert engine.info is not None
+        state["model"] = settings.served_model_name or engine.info.model_name
+        state["metrics"] = ServerMetrics(state["model"])
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="Tandem", version=tandem.__version__, lifespan=lifespan)
+    app.state.engine = engine
+
+    # -- errors -------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.type, e.status, e.param), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(message, "BadRequestError", 400, loc[-1] if loc else None), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal server error: {type(e).__name__}: {e}", "InternalServerError",
+                                       500), 500)
+
+    if settings.api_keys:
+        app.add_middleware(APIKeyMiddleware, key_salts=key_salts)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (state["model"], config.model.model):
+            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    def check_capacity(n: int) -> None:
+        if engine.num_unstarted() + n > settings.max_waiting_requests:
+            state["metrics"].rejected.labels(state["model"]).inc(n)
+            raise APIError(429, "too many requests are waiting; retry later", "RateLimitError",
+                           headers={"Retry-After": "1"})
+        if not engine.healthy:
+            raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
+
+    def salt_for(request: Request, cache_salt: str | None) -> str | None:
+        tenant = getattr(request.state, "salt", None)
+        if tenant is None:
+            return cache_salt
+        return f"{tenant}:{cache_salt or ''}"
+
+    def tokenize(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise bad_request("this model has no tokenizer: send token ids", "prompt")
+            if not prompt:
+                raise bad_request("prompt is empty", "prompt")
+            return tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def validate(ids: list[int], params: SamplingParams, param: str) -> None:
+        assert engine.inputs is not None
+        try:
+            engine.inputs.validate(ids, params)
+        except ValueError as e:
+            raise bad_request(str(e), param) from e
+
+    def make_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    async def tracked(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Feed the latency histograms from what the client actually receives."""
+        metrics: ServerMetrics = state["metrics"]
+        timer = RequestTimer()
+        last: RequestOutput | None = None
+        try:
+            async for out in gen:
+                metrics.observe_chunk(timer, sum(len(d[1]) for d in out.deltas))
+                last = out
+                yield out
+        finally:
+            await gen.aclose()
+            if last is not None and last.finished:
+                queue = (last.metrics.first_scheduled_time - last.metrics.arrival_time
+                         if last.metrics.first_scheduled_time else None)
+                metrics.observe_finish(timer, last.outputs[0].finish_reason, queue)
+
+    def open_streams(prompts: list[list[int]], params: SamplingParams, texts: list[str | None],
+                     salt: str | None) -> list[AsyncIterator[RequestOutput]]:
+        return [tracked(engine.generate(ids, params, text, salt)) for ids, text in zip(prompts, texts, strict=True)]
+
+    async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        """Run every stream to its end; abort all if the client goes away or time runs out."""
+        async def drain(s: AsyncIterator[RequestOutput]) -> RequestOutput:
+            last = None
+            async for out in s:
+                last = out
+            assert last is not None
+            return last
+
+        tasks = [asyncio.create_task(drain(s)) for s in streams]
+        deadline = None if settings.request_timeout is None else time.monotonic() + settings.request_timeout
+        try:
+            while not all(t.done() for t in tasks):
+                await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.ALL_COMPLETED)
+                if await request.is_disconnected():  # the finally below aborts every stream
+                    raise APIError(499, "client disconnected", "ClientClosedRequest")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise APIError(408, "request timed out", "TimeoutError")
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def sse(streams: list[AsyncIterator[RequestOutput]], fmt: Formatter, params: SamplingParams,
+                  n_prompt_tokens: int, include_usage: bool, echo_texts: list[str] | None,
+                  num_top: int) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in s:
+                    await queue.put((i, out))
+            except Exception as e:  # surfaces as an error event on the stream
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        deadline = None if settings.request_timeout is None else time.monotonic() + settings.request_timeout
+        open_count, completion_tokens = len(tasks), 0
+        started: set[int] = set()
+        try:
+            while open_count:
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    yield f"data: {json.dumps(error_body('request timed out', 'TimeoutError', 408))}\n\n"
+                    return
+                if item is None:
+                    open_count -= 1
+                    continue
+                if isinstance(item, Exception):
+                    yield f"data: {json.dumps(error_body(str(item), 'InternalServerError', 500))}\n\n"
+                    return
+                choices = []
+                for out, (text, tokens) in zip(item.outputs, item.deltas, strict=True):
+                    index = i * params.n + out.index
+                    first = index not in started
+                    if first:
+                        started.add(index)
+                        if echo_texts is not None:
+                            text = echo_texts[i] + text
+                    completion_tokens += len(tokens)
+                    finish = out.finish_reason if item.finished or out.finish_reason else None
+                    if not text and not tokens and finish is None and not (first and fmt.chat):
+                        continue
+                    lp_entries = out.logprobs[len(out.logprobs) - len(tokens):] if out.logprobs is not None \
+                        else None
+                    choices.append(fmt.chunk_choice(index, text, tokens, lp_entries, num_top, finish,
+                                                    out.stop_reason if finish else None, role=first and fmt.chat))
+                if choices:
+                    yield f"data: {json.dumps(fmt.chunk(choices))}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps(fmt.chunk([], usage(n_prompt_tokens, completion_tokens)))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                with contextlib.suppress(BaseException):
+                    await s.aclose()
+
+    # -- endpoints ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.healthy:
+            return JSONResponse(error_body(engine.dead or "engine is not running", "ServiceUnavailableError", 503),
+                                503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tandem.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state["metrics"].render(engine.stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        assert engine.info is not None
+        return {"object": "list", "data": [{"id": state["model"], "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": engine.info.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if body.messages is not None:
+            ids = chat_prompt_ids([m.as_template_dict() for m in body.messages], True, None)
+        elif body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise bad_request("give prompt or messages", "prompt")
+        assert engine.info is not None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        assert engine.info is not None
+        if any(t >= engine.info.vocab_size for t in body.tokens):
+            raise bad_request(f"token ids must be below {engine.info.vocab_size}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def chat_prompt_ids(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        template: str | None) -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 chat_template=template)
+        except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = make_params(body, body.max_tokens, body.logprobs)
+        texts = [p if isinstance(p, str) else None for p in body.prompts()]
+        prompts = [tokenize(p) for p in body.prompts()]
+        for ids in prompts:
+            validate(ids, params, "prompt")
+        check_capacity(len(prompts))
+        fmt = Formatter(tokenizer, state["model"], f"cmpl-{uuid.uuid4().hex}", chat=False)
+        echo = [t if t is not None else (tokenizer.decode(ids) if tokenizer else "")
+                for t, ids in zip(texts, prompts, strict=True)] if body.echo else None
+        streams = open_streams(prompts, params, texts, salt_for(request, body.cache_salt))
+        n_prompt = sum(len(p) for p in prompts)
+        num_top = body.logprobs or 0
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(streams, fmt, params, n_prompt, include, echo, num_top),
+                                     media_type="text/event-stream")
+        finals = await collect(request, streams)
+        choices = []
+        for i, final in enumerate(finals):
+            for out in final.outputs:
+                text = (echo[i] if echo else "") + out.text
+                choices.append(fmt.choice(i * params.n + out.index, out, text, num_top))
+        n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer, so it has no chat template")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = make_params(body, max_tokens, body.logprobs_count())
+        ids = chat_prompt_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                              body.chat_template)
+        if params.max_tokens is None:
+            assert engine.info is not None
+            params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
+        validate(ids, params, "messages")
+        check_capacity(1)
+        fmt = Formatter(tokenizer, state["model"], f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        streams = open_streams([ids], params, [None], salt_for(request, body.cache_salt))
+        num_top = body.top_logprobs or 0
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(streams, fmt, params, len(ids), include, None, num_top),
+                                     media_type="text/event-stream")
+        final = (await collect(request, streams))[0]
+        choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
+        n_out = sum(len(o.token_ids) for o in final.outputs)
+        return JSONResponse(fmt.response(choices, usage(len(ids), n_out)))
+
+    # Engine failures map to 500/503 with a message; the server keeps serving.
+    @app.exception_handler(EngineRequestError)
+    async def _engine_error(_: Request, e: EngineRequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "InternalServerError", 500), 500)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "ServiceUnavailableError", 503), 503)
+
+    return app

@@ -1,0 +1,200 @@
+"""The API server's side of the engine: starts the core process and streams outputs per request.
+
+Requests are tokenized and validated here (InputProcessor), sent to the core, and the core's
+token outputs come back through one reader task that detokenizes them (OutputProcessor) and hands
+each RequestOutput to the waiting request's queue. A request whose consumer goes away (client
+disconnect, timeout) is aborted in the core, which frees its blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.serve.core_proc import CoreInfo, CoreStats, run_engine_core
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed while running this request (a 500, not the client's fault)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_output: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
+                 startup_timeout: float = 300.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.log_level = log_level
+        self.startup_timeout = startup_timeout
+        self.info: CoreInfo | None = None
+        self.stats: CoreStats | None = None
+        self.inputs: InputProcessor | None = None
+        self.outputs = OutputProcessor(tokenizer)
+        self.streams: dict[str, _Stream] = {}
+        self.dead: str | None = None
+        self.listeners: list = []  # callables(RequestOutput) for metrics
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-")
+        self._ctx = zmq.asyncio.Context()
+        self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        base = Path(self._tmp.name)
+        in_addr, out_addr = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(out_addr)
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(self.config, in_addr, out_addr, self.log_level), daemon=True,
+            name="tandem-engine-core")
+        self._proc.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if await self._pull.poll(500):
+                kind, payload = await self._pull.recv_pyobj()
+                if kind == "ready":
+                    self.info = payload
+                    break
+                if kind == "startup_failed":
+                    raise RuntimeError(f"engine core failed to start: {payload}")
+            if not self._proc.is_alive():
+                raise RuntimeError(f"engine core exited during start-up (exit code {self._proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine core did not start in time")
+        sched = self.config.scheduler
+        self.inputs = InputProcessor(self.tokenizer, ModelLimits(
+            self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, sched.max_num_batched_tokens,
+            sched.enable_chunked_prefill))
+        self._reader = asyncio.create_task(self._read_outputs())
+        self._watchdog = asyncio.create_task(self._watch_process())
+
+    async def shutdown(self) -> None:
+        for rid in list(self.streams):
+            self._fail(rid, EngineDeadError("server shutting down"))
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._push.send_pyobj(("shutdown", None))
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._tmp.cleanup()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._proc is not None and self._proc.is_alive()
+
+    # -- requests -----------------------------------------------------------------------------
+    def num_unstarted(self) -> int:
+        """Requests accepted but without a first output yet: the server's admission queue."""
+        return sum(1 for s in self.streams.values() if not s.first_output)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
+                       cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError on bad input), enqueue, and yield outputs until finished. Closing the
+        generator early aborts the request."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead or "engine core is not running")
+        assert self.inputs is not None
+        rid = request_id or uuid.uuid4().hex
+        requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
+        stream = _Stream()
+        self.streams[rid] = stream
+        self.outputs.add(rid, prompt_text, requests)
+        finished = False
+        try:
+            await self._push.send_pyobj(("add", requests))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                stream.first_output = True
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.streams.pop(rid, None)
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        children = self.outputs.child_ids(request_id)
+        self.outputs.abort(request_id)
+        if children and self.healthy:
+            await self._push.send_pyobj(("abort", children))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        stream = self.streams.get(request_id)
+        self.outputs.abort(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = await self._pull.recv_pyobj()
+            kind = msg[0]
+            if kind == "outputs":
+                _, core_outputs, self.stats = msg
+                if not core_outputs:
+                    continue
+                results, stopped = self.outputs.process(core_outputs)
+                if stopped:
+                    await self._push.send_pyobj(("abort", stopped))
+                for out in results:
+                    for listener in self.listeners:
+                        listener(out)
+                    stream = self.streams.get(out.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(out)
+            elif kind == "failed":
+                _, child_ids, message = msg
+                parents = {self.outputs.child_to_parent.get(c) for c in child_ids} - {None}
+                for rid in parents:
+                    self._fail(rid, EngineRequestError(message))
+
+    async def _watch_process(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self._proc is not None and not self._proc.is_alive():
+                self.dead = f"engine core died (exit code {self._proc.exitcode})"
+                log.error(self.dead)
+                for rid in list(self.streams):
+                    self._fail(rid, EngineDeadError(self.dead))
+                return

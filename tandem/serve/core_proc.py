@@ -1,0 +1,123 @@
+"""The engine core in its own process, stepping continuously, talking ZeroMQ.
+
+HTTP parsing, tokenization and detokenization happen in the API server's process; this one only
+schedules and runs the model, so a burst of HTTP work never delays a step. Messages are pickled
+Python objects over local IPC sockets (both ends are this project's own processes).
+
+  frontend -> core (PUSH/PULL): ("add", [Request]), ("abort", [request_id]), ("shutdown", None)
+  core -> frontend (PUSH/PULL): ("ready", info), ("outputs", [EngineCoreOutput], CoreStats),
+                                ("failed", [request_id], message)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from tandem.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # how long an idle core waits for input before sending a heartbeat
+
+
+@dataclass
+class CoreStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time: float
+
+
+@dataclass
+class CoreInfo:
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    num_blocks: int
+    model_name: str
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING") -> None:
+    """Process entry point."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core: %(message)s")
+    # The parent handles SIGINT/SIGTERM and tells us to shut down; don't die half-way through a step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    try:
+        from tandem.engine.core import EngineCore
+        from tandem.model.loader import load_model
+
+        loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        core = EngineCore(config, loaded.model)
+        eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        out.send_pyobj(("ready", CoreInfo(core.max_model_len, loaded.arch.vocab_size,
+                                          eos if eos is not None else loaded.arch.eos_token_id, core.num_blocks,
+                                          loaded.name)))
+    except Exception as e:  # report why we could not start, then exit non-zero
+        out.send_pyobj(("startup_failed", f"{type(e).__name__}: {e}"))
+        out.close(linger=2000)
+        os._exit(1)
+    _loop(core, inp, out)
+    out.close(linger=1000)
+    inp.close(linger=0)
+    ctx.term()
+
+
+def _stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
+    s = core.stats()
+    usage = core.scheduler.kv.usage()
+    return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
+                     s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
+                     core.num_generation_tokens, time.monotonic())
+
+
+def _loop(core, inp: zmq.Socket, out: zmq.Socket) -> None:  # noqa: ANN001
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    while True:
+        # Block only when idle; while busy, take whatever arrived and step again.
+        timeout = 0 if core.has_unfinished() else IDLE_POLL_MS
+        events = dict(poller.poll(timeout))
+        while events.get(inp):
+            kind, payload = inp.recv_pyobj()
+            if kind == "shutdown":
+                core.abort(list(core.scheduler.requests))
+                return
+            if kind == "add":
+                for request in payload:
+                    core.add_request(request)
+            elif kind == "abort":
+                core.abort(payload)
+            events = dict(poller.poll(0))
+        if not core.has_unfinished():
+            out.send_pyobj(("outputs", [], _stats(core)))  # heartbeat with fresh stats
+            continue
+        try:
+            outputs = core.step()
+        except Exception as e:
+            # A failed step fails the requests in it, not the server: free them and carry on.
+            log.error("engine step failed: %s", traceback.format_exc())
+            failed = list(core.scheduler.requests)
+            core.abort(failed)
+            out.send_pyobj(("failed", failed, f"engine error: {type(e).__name__}: {e}"))
+            continue
+        out.send_pyobj(("outputs", outputs, _stats(core)))

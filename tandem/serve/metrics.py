@@ -1,0 +1,106 @@
+"""Prometheus metrics, named in parallel to vLLM's with a `tandem:` prefix."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from tandem.serve.core_proc import CoreStats
+
+disable_created_metrics()  # as vLLM does: the *_created series only add noise
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0)
+
+
+@dataclass
+class RequestTimer:
+    """Per-request timestamps kept by the API layer (its own clock, where the client waits)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tandem:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"tandem:{name}", doc, labels + list(extra), registry=r)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"tandem:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests running in the engine this step.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV blocks in use.")
+        self.kv_total_blocks = gauge("kv_cache_total_blocks", "KV blocks in the pool.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received by the engine.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.rejected = counter("request_rejected", "Requests refused (queue full).")
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output chunks.")
+        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first.")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self._last: CoreStats | None = None
+
+    def observe_core(self, s: CoreStats | None) -> None:
+        if s is None:
+            return
+        m = self.model_name
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.kv_usage.labels(m).set(s.kv_usage)
+        self.kv_used_blocks.labels(m).set(s.num_used_blocks)
+        self.kv_total_blocks.labels(m).set(s.num_blocks)
+        prev = self._last
+        # Counters mirror the core's running totals: add the difference since the last look.
+        for metric, now, before in (
+            (self.prompt_tokens, s.num_prompt_tokens, prev.num_prompt_tokens if prev else 0),
+            (self.generation_tokens, s.num_generation_tokens, prev.num_generation_tokens if prev else 0),
+            (self.preemptions, s.num_preemptions, prev.num_preemptions if prev else 0),
+            (self.prefix_queries, s.prefix_queries, prev.prefix_queries if prev else 0),
+            (self.prefix_hits, s.prefix_hits, prev.prefix_hits if prev else 0),
+        ):
+            if now > before:
+                metric.labels(m).inc(now - before)
+        self._last = s
+
+    def observe_chunk(self, timer: RequestTimer, num_new_tokens: int) -> None:
+        now = time.monotonic()
+        if timer.first_token is None:
+            timer.first_token = now
+            self.ttft.labels(self.model_name).observe(now - timer.arrival)
+        elif timer.last_token is not None and num_new_tokens:
+            self.itl.labels(self.model_name).observe(now - timer.last_token)
+        timer.last_token = now
+        timer.num_tokens += num_new_tokens
+
+    def observe_finish(self, timer: RequestTimer, reason: str | None, queue_time: float | None) -> None:
+        m = self.model_name
+        now = time.monotonic()
+        self.success.labels(m, reason or "abort").inc()
+        self.e2e.labels(m).observe(now - timer.arrival)
+        if queue_time is not None:
+            self.queue.labels(m).observe(max(queue_time, 0.0))
+        if timer.first_token is not None and timer.num_tokens > 1:
+            self.tpot.labels(m).observe((now - timer.first_token) / (timer.num_tokens - 1))
+
+    def render(self, stats: CoreStats | None) -> bytes:
+        self.observe_core(stats)
+        return generate_latest(self.registry)

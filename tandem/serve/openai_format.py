@@ -1,0 +1,84 @@
+"""RequestOutputs -> OpenAI response and stream-chunk bodies (completions and chat)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandem.outputs import CompletionOutput, Logprob
+
+
+class Formatter:
+    def __init__(self, tokenizer: Any | None, model: str, request_id: str, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.id = request_id
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    # -- logprobs -----------------------------------------------------------------------------
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int,
+                 text_offset: int = 0) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            content = []
+            for tid, entry in zip(token_ids, entries, strict=False):
+                tok = self._token_str(tid)
+                top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+                content.append({"token": tok, "logprob": entry[tid].logprob, "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
+                                                  "bytes": list(self._token_str(t).encode())} for t, lp in top]})
+            return {"content": content}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = text_offset
+        for tid, entry in zip(token_ids, entries, strict=False):
+            tok = self._token_str(tid)
+            tokens.append(tok)
+            token_lps.append(entry[tid].logprob)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            tops.append({self._token_str(t): lp.logprob for t, lp in top})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- whole responses ----------------------------------------------------------------------
+    def choice(self, index: int, out: CompletionOutput, text: str, num_top: int) -> dict[str, Any]:
+        lp = self.logprobs(out.token_ids, out.logprobs, num_top)
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": usage}
+
+    # -- stream chunks ------------------------------------------------------------------------
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], entries: list[dict[int, Logprob]] | None,
+                     num_top: int, finish_reason: str | None, stop_reason: int | str | None = None,
+                     role: bool = False) -> dict[str, Any]:
+        lp = self.logprobs(token_ids, entries, num_top)
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text
+                                                                                          else {})
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,68 @@
+"""Start a real `tandem serve` process on a free loopback port for a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("server did not become healthy")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith(f"tandem:{name}{{") or line.startswith(f"tandem:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None):  # noqa: ANN201
+    server = Server(list(args), env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,214 @@
+"""The OpenAI-compatible server, exercised with the official `openai` client over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import Server, running_server
+
+pytestmark = pytest.mark.slow
+
+# float32: greedy outputs are exact across batch shapes and cache hits (bf16 rounding differs by path).
+SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def server():  # noqa: ANN201
+    with running_server(*SERVER_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # noqa: ANN001
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(server: Server, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("kv_cache_used_blocks") == 0 and server.metric("num_requests_running") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"blocks still used: {server.metric('kv_cache_used_blocks')}")
+
+
+def test_models_and_completion_usage(client: openai.OpenAI, server: Server) -> None:
+    models = client.models.list()
+    name = models.data[0].id
+    out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8, temperature=0)
+    n_prompt = len(httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"])
+    assert out.usage.prompt_tokens == n_prompt
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    assert out.choices[0].text
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": [504, 3575]}).json()
+    assert isinstance(detok["prompt"], str) and detok["prompt"]
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert "/v1/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+
+
+def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs,
+                                          max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model=full.model, messages=msgs, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+    prompt = "Once upon a time"
+    plain = client.completions.create(model=full.model, prompt=prompt, max_tokens=25, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=full.model, prompt=prompt, max_tokens=25, temperature=0, stream=True))
+    assert streamed == plain.choices[0].text
+
+
+def test_completion_features(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=["Hello", "Goodbye"], max_tokens=5, temperature=0, n=2,
+                                    echo=True, logprobs=2, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.choices[0].text.startswith("Hello") and out.choices[2].text.startswith("Goodbye")
+    assert len(out.choices[0].logprobs.tokens) == 5 and len(out.choices[0].logprobs.top_logprobs[0]) == 2
+    out = client.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
+    assert out.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                          max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    stopped = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
+
+
+def test_32_concurrent_streams(server: Server, client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    prompts = [f"Write a sentence about the number {i}." for i in range(4)]
+    expected = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                               max_tokens=24, temperature=0).choices[0].message.content
+                for p in prompts]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+    async def one(i: int) -> str:
+        stream = await aclient.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompts[i % 4]}], max_tokens=24, temperature=0,
+            stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(all_())
+    assert results == [expected[i % 4] for i in range(32)]
+    wait_idle(server)
+
+
+def test_disconnect_frees_blocks(server: Server, client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    wait_idle(server)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={
+            "model": model, "prompt": "Tell me a very long story.", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}, timeout=30) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+        assert server.metric("kv_cache_used_blocks") > 0
+    wait_idle(server)  # the request was aborted and its blocks freed
+    # Non-streaming: the client gives up (timeout) while the server is generating.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "Go on", "max_tokens": 3000,
+                                                         "ignore_eos": True}, timeout=2)
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ("{not json", 400, None),
+    ({"prompt": 5, "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "", "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [10**9], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "prompt"),
+    ({"prompt": "hi " * 9000, "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+])
+def test_bad_completion_requests(server: Server, body, status, param) -> None:  # noqa: ANN001
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
+        else {"json": body}
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    if param:
+        assert err["param"] == param
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ({"messages": []}, 400),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ({"messages": "hello"}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404),
+])
+def test_bad_chat_requests(server: Server, client: openai.OpenAI, body, status) -> None:  # noqa: ANN001
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == status
+    ok = client.chat.completions.create(model=client.models.list().data[0].id,
+                                        messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_api_key_and_admission_control() -> None:
+    with running_server(*SERVER_ARGS, "--api-key", "sekrit", "--max-num-seqs", "1",
+                        "--max-waiting-requests", "1") as s:
+        bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        assert httpx.get(f"{s.url}/health").status_code == 200  # only /v1 is guarded
+        good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0)
+        model = good.models.list().data[0].id
+        assert good.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(headers={"authorization": "Bearer sekrit"}, timeout=60) as c:
+                rs = await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json={
+                    "model": model, "prompt": "Count slowly", "max_tokens": 40, "ignore_eos": True})
+                    for _ in range(6)))
+                for r in rs:
+                    if r.status_code == 429:
+                        assert r.headers["retry-after"] and r.json()["error"]["type"] == "RateLimitError"
+                return [r.status_code for r in rs]
+
+        codes = asyncio.run(burst())
+        assert 429 in codes and 200 in codes
+
+
+def test_request_timeout_and_sigterm() -> None:
+    s = Server([*SERVER_ARGS, "--request-timeout", "1"])
+    try:
+        s.wait_ready()
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Go", "max_tokens": 4000, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 408 and r.json()["error"]["type"] == "TimeoutError"
+        deadline = time.monotonic() + 10
+        while s.metric("kv_cache_used_blocks") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.metric("kv_cache_used_blocks") == 0
+    finally:
+        code = s.stop(signal.SIGTERM)
+    assert code == 0
