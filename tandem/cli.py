@@ -71,6 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
+    import signal
 
     import torch
     import uvicorn
@@ -88,6 +89,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
                               args.log_level.upper())
     app = build_app(config, settings, load_tokenizer(args.model))
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
+    # was installed before it; make that one a clean exit, as a supervisor expects.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     return 0

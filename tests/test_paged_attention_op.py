@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,13 +197,14 @@ def test_dispatch_falls_back_for_unsupported_head_dim() -> None:
     torch.testing.assert_close(out.double(), naive_reference(*args, 0.2), atol=1e-5, rtol=1e-5)
 
 
-def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A broken toolchain must produce a warning and the fallback, never an exception.
     monkeypatch.setattr(pa, "_op", None)
     monkeypatch.setattr(pa, "_build_failed", None)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # empty cache: forces a build
+    monkeypatch.delenv("TANDEM_DISABLE_KERNELS", raising=False)
 
-    def broken_build(directory: object) -> None:
+    def broken_build(directory: Path) -> Path:
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(pa, "_build", broken_build)

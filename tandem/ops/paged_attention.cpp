@@ -386,7 +386,7 @@ inline void unpermute_acc(float* acc, int64_t d) {
 // p.V over one block for the G heads of one kv head; chunks of up to kHeadChunk heads go to the
 // register-blocked versions above.
 template <typename T>
-TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float* p, const uint16_t* pb,
+TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float* p, [[maybe_unused]] const uint16_t* pb,
                                     int64_t p_stride, const T* v, int64_t n, int64_t row_stride, int64_t G,
                                     int64_t d, Prefetcher& pf) {
 #if defined(__AVX512F__)

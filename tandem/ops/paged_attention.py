@@ -13,9 +13,11 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import platform
 import sys
 import threading
 import time
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 EXT_NAME = "tandem_paged_attention"
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 # -fopenmp makes at::parallel_for actually parallel; the resulting libgomp.so.1 dependency resolves
 # to the copy torch already loaded, so there is one OpenMP runtime and torch.set_num_threads applies.
 _LDFLAGS = ["-fopenmp"]
@@ -47,6 +49,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem")))
 
 
+def _cpu_signature() -> str:
+    """The CPU's feature flags: -march=native code must not be loaded on a different CPU (SIGILL),
+    e.g. from a cache directory shared between machines."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def build_dir() -> Path:
     """Build directory keyed by everything that changes the binary, so a stale build is never loaded."""
     h = hashlib.sha256()
@@ -54,6 +69,7 @@ def build_dir() -> Path:
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     h.update(sys.version.encode())
+    h.update(_cpu_signature().encode())
     return cache_dir() / "ext" / f"{EXT_NAME}-{h.hexdigest()[:16]}"
 
 
@@ -108,8 +124,9 @@ def load_kernel(build: bool = True) -> Any | None:
                 if not build:
                     return None
                 lib = _build(directory)  # cpp_extension.load also loads the library
-            if not hasattr(torch.ops, EXT_NAME) or not hasattr(getattr(torch.ops, EXT_NAME), "decode"):
+            if not hasattr(torch.ops.tandem_paged_attention, "decode"):
                 torch.ops.load_library(str(lib))
+            _register_fake()
             _op = torch.ops.tandem_paged_attention.decode
         except Exception as e:  # any build/load problem must degrade to the fallback, not crash
             _build_failed = f"{type(e).__name__}: {e}"
@@ -117,6 +134,24 @@ def load_kernel(build: bool = True) -> Any | None:
                            _build_failed)
             return None
     return _op
+
+
+def _fake_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _register_fake() -> None:
+    """Shape-only implementation so torch.compile / FakeTensor tracing can see through the op."""
+    # RuntimeError: already registered (e.g. by a second copy of this module under __main__).
+    with contextlib.suppress(RuntimeError):
+        torch.library.register_fake("tandem_paged_attention::decode", _fake_decode)
 
 
 def kernel_available() -> bool:
@@ -136,13 +171,16 @@ def kernel_isa() -> str | None:
     return str(torch.ops.tandem_paged_attention.isa())
 
 
-def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
+        and k_cache.device.type == "cpu"
         and q.dtype in _SUPPORTED_DTYPES
         and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
         and q.shape[-1] % 16 == 0
         and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and not (torch.is_grad_enabled() and q.requires_grad)  # the kernel has no backward
     )
 
@@ -161,10 +199,11 @@ def paged_decode_attention(
     block_tables: int32 [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
     Query head h reads kv head h // (H // KVH). The softmax is computed in float32.
     """
-    if _kernel_supports(q, k_cache):
+    if _kernel_supports(q, k_cache, v_cache):
         op = load_kernel()
         if op is not None:
-            return op(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
+            tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)  # no-ops when int32
+            return op(q, k_cache, v_cache, tables, lens, float(scale))
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

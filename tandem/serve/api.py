@@ -103,7 +103,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "BadRequestError", 400, loc[-1] if loc else None), 400)
+        return JSONResponse(error_body(message, "BadRequestError", 400, loc[0] if loc else None), 400)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:

@@ -44,6 +44,7 @@ class EngineRequestError(RuntimeError):
 class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_output: bool = False
+    consuming: bool = False  # someone iterates; if nobody ever does, the entry goes when it finishes
 
 
 class AsyncEngine:
@@ -124,10 +125,13 @@ class AsyncEngine:
         """Requests accepted but without a first output yet: the server's admission queue."""
         return sum(1 for s in self.streams.values() if not s.first_output)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
-                       cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate (ValueError on bad input), enqueue, and yield outputs until finished. Closing the
-        generator early aborts the request."""
+    def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
+                 cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
+        the request finishes. Closing it early aborts the request.
+
+        Enqueueing is synchronous so that admission control sees every accepted request at once,
+        even before anyone iterates."""
         if not self.healthy:
             raise EngineDeadError(self.dead or "engine core is not running")
         assert self.inputs is not None
@@ -136,15 +140,19 @@ class AsyncEngine:
         stream = _Stream()
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
+        # Not awaited: zmq.asyncio sends in call order, and this keeps enqueueing atomic.
+        self._push.send_pyobj(("add", requests))
+        return self._consume(rid, stream)
+
+    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        stream.consuming = True
         finished = False
         try:
-            await self._push.send_pyobj(("add", requests))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                stream.first_output = True
                 yield item
                 if item.finished:
                     finished = True
@@ -182,7 +190,10 @@ class AsyncEngine:
                         listener(out)
                     stream = self.streams.get(out.request_id)
                     if stream is not None:
+                        stream.first_output = True
                         stream.queue.put_nowait(out)
+                        if out.finished and not stream.consuming:
+                            del self.streams[out.request_id]
             elif kind == "failed":
                 _, child_ids, message = msg
                 parents = {self.outputs.child_to_parent.get(c) for c in child_ids} - {None}
