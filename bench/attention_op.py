@@ -7,7 +7,9 @@ scattered randomly through a pool twice the live size, as after some serving tim
   hot:  the same layer's cache called repeatedly (it stays in the large L3 of server CPUs);
   cold: calls cycle through enough copies of the cache (--cold-mb) that it comes from DRAM, as in a
         real model where every layer has its own cache.
-GB/s counts the K and V bytes a call must read (sum of seq_len * KVH * D * 2 tensors).
+GB/s counts the K and V bytes a call must read (sum of seq_len * KVH * D * 2 tensors). Times are
+the best repetition (--stat min, default: robust to other processes taking a core, which stalls a
+whole multi-threaded call for a scheduler tick) or the median (--stat median, for a quiet machine).
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def time_layers(
     lens: torch.Tensor,
     scale: float,
     min_reps: int,
-    min_time: float = 0.3,
+    stat: str,
+    min_time: float = 0.2,
 ) -> float:
-    """Median ms per call, each repetition calling once per (k, v) cache in turn."""
+    """ms per call (min or median over repetitions), each repetition calling each (k, v) cache once."""
     for k, v in caches[:3]:  # warm up allocator, thread pool, code
         fn(q, k, v, tables, lens, scale)
     samples: list[float] = []
@@ -80,7 +83,7 @@ def time_layers(
         for k, v in caches:
             fn(q, k, v, tables, lens, scale)
         samples.append((time.perf_counter() - t0) / len(caches))
-    return statistics.median(samples) * 1e3
+    return (min(samples) if stat == "min" else statistics.median(samples)) * 1e3
 
 
 def main() -> None:
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="minimum repetitions per timing")
     ap.add_argument("--cold-mb", type=int, default=1024, help="cache copies cycled for 'cold' (0: skip)")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) fallback timings")
+    ap.add_argument("--stat", choices=["min", "median"], default="min")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,7 +111,7 @@ def main() -> None:
     else:
         isa = f"unavailable: {pa.kernel_error() or 'disabled'}"
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, dtype={args.dtype}, H={args.heads} "
-          f"KVH={args.kv_heads} D={args.head_dim} block={args.block_size}, kernel: {isa}")
+          f"KVH={args.kv_heads} D={args.head_dim} block={args.block_size}, kernel: {isa}, stat={args.stat}")
 
     impls: list[tuple[str, Attn | None]] = [("kernel", kernel)]
     if not args.no_torch:
@@ -137,7 +141,7 @@ def main() -> None:
                         continue
                     caches = [(k, v)] if mode == "hot" else cold
                     reps = args.iters if mode == "hot" else max(3, args.iters // 4)
-                    ms = time_layers(fn, q, caches, tables, lens, scale, reps)
+                    ms = time_layers(fn, q, caches, tables, lens, scale, reps, args.stat)
                     times[f"{name} {mode}"] = ms
                     row += f" {ms:>11.3f}    {nbytes / ms / 1e6:>5.1f} |"
             if "kernel hot" in times and "torch hot" in times:

@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--uvicorn-log-level", default="warning")
     srv.set_defaults(func=cmd_serve)
 
+    from tandem.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

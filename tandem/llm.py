@@ -15,6 +15,16 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+PromptInput = PromptType | dict[str, Any]
+
+
+def _unpack(prompt: PromptInput) -> tuple[PromptType, str | None]:
+    if not isinstance(prompt, dict):
+        return prompt, None
+    body = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if body is None:
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return body, prompt.get("cache_salt")
 
 
 class LLM:
@@ -24,12 +34,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Prompts are strings, token-id lists, or dicts {"prompt" | "prompt_token_ids": ...,
+        "cache_salt": ...} as in vLLM (the salt keeps a tenant's prefix-cache blocks its own)."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._run(list(prompts), sampling_params, [None] * len(prompts), use_tqdm)  # type: ignore[arg-type]
+        items = [_unpack(p) for p in prompts]  # type: ignore[union-attr]
+        return self._run([p for p, _ in items], sampling_params, [None] * len(items), use_tqdm,
+                         [s for _, s in items])
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -42,7 +56,8 @@ class LLM:
         return self._run(prompts, sampling_params, texts, use_tqdm)
 
     def _run(self, prompts: list[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+             texts: list[str | None], use_tqdm: bool, salts: list[str | None] | None = None) -> list[RequestOutput]:
+        salts = salts or [None] * len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
@@ -52,9 +67,9 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for prompt, p, text in zip(prompts, params, texts, strict=True):
+            for prompt, p, text, salt in zip(prompts, params, texts, salts, strict=True):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p, prompt_text=text)
+                engine.add_request(rid, prompt, p, cache_salt=salt, prompt_text=text)
                 ids.append(rid)
         except ValueError:
             for rid in ids:  # a bad prompt rejects the whole call and leaves nothing queued

@@ -5,18 +5,23 @@
 // Decode attention should be memory bound, so the design is about touching each K/V byte once and
 // keeping the arithmetic per byte small enough that it stays memory bound:
 //   * a work item is (sequence, range of kv heads[, range of blocks]); the query heads sharing a kv
-//     head are processed together, so each K/V row is read once per group, not once per head;
-//   * online softmax (running max and sum per head, updated once per block) gives one pass over K/V;
-//   * the next block named by the block table is software-prefetched: blocks are scattered and the
-//     hardware prefetcher cannot follow the indirection;
+//     head are processed together, so each K/V row is read once per group, not once per head; with
+//     enough sequences an item takes all kv heads, so it reads whole contiguous token rows;
+//   * online softmax over chunks of ~256 tokens: q.k for the chunk's blocks, one update of the
+//     running max and sum per head, then p.V over the same blocks. One pass over K and V, with the
+//     max/sum bookkeeping (horizontal reductions, exp of the rescale factor) amortized over a chunk;
+//   * a software prefetcher runs two block-steps ahead in consumption order (K rows of a chunk's
+//     blocks, then their V rows, then the next chunk), its lines spread over the work so they never
+//     burst: blocks are scattered, and the hardware prefetcher cannot follow the block table;
 //   * q.k scores for 16 tokens are reduced together (one transpose-and-add tree instead of 16
 //     horizontal sums), and with AVX512-BF16 both q.k and p.V use dpbf16 (bf16 pairs, float
-//     accumulation); p.V pairs up consecutive tokens, which keeps the accumulator lanes in a
+//     accumulation); p.V pairs up consecutive tokens, which leaves the accumulator lanes in a
 //     permuted order that is undone once per item;
 //   * with few sequences, kv heads and then block ranges are split so every thread has work;
 //     partial (max, sum, accumulator) results of block ranges are merged afterwards;
 //   * items are handed out longest-first from a shared counter, so uneven lengths balance.
-// Without AVX512 a portable scalar path (auto-vectorizable) is compiled instead.
+// Without AVX512 a portable scalar path (auto-vectorizable) is compiled instead; float32 caches use
+// float FMAs on AVX512. The TANDEM_* macros below are tuning knobs (-D...) for experiments.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -211,7 +216,7 @@ struct QueryType<bf16> {
 // Software prefetch of one region (rows of a block) spread over the computation: the kernel hands
 // it the region needed a few steps ahead and calls issue() between pieces of work, so each call
 // requests a few cache lines. A burst of prefetches would fill the miss buffers and stall the very
-// computation it should overlap. Prefetches go to L2 (T1): L1 is too small to hold them that long.
+// computation it should overlap. Prefetches go to L2 (T1), which measured best.
 struct Prefetcher {
   const char* base = nullptr;
   int64_t stride = 0, width = 0, rows = 0, row = 0, col = 0, quota = 0;

@@ -58,6 +58,11 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self._last: CoreStats | None = None
+        # Export every series from the start (at zero) rather than only once it first moves.
+        for metric in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.rejected):
+            metric.labels(model_name)
 
     def observe_core(self, s: CoreStats | None) -> None:
         if s is None:

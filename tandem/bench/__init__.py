@@ -1,0 +1,1 @@
+"""`tandem bench`: a load generator and metrics for any OpenAI-compatible server."""
