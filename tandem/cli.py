@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = [os.environ["TANDEM_API_KEY"]]
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
-                              args.log_level.upper())
+                              args.log_level.upper(), args.kv_events_endpoint)
     app = build_app(config, settings, load_tokenizer(args.model))
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
     srv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
     srv.add_argument("--uvicorn-log-level", default="warning")
+    srv.add_argument("--kv-events-endpoint", default=None,
+                     help="publish prefix-cache block events on this ZeroMQ PUB address (e.g. tcp://127.0.0.1:5557)")
     srv.set_defaults(func=cmd_serve)
 
     from tandem.bench.cli import add_bench_parser

@@ -46,6 +46,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # "builtin" is Python's hash over a tuple (fast, per-process salted); "sha256" resists collisions.
     prefix_caching_hash_algo: str = "builtin"
+    # Record block stored/removed events for a KV-aware router (the server publishes them on ZeroMQ).
+    enable_kv_events: bool = False
 
 
 @dataclass

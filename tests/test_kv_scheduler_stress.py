@@ -139,3 +139,18 @@ def test_preemption_under_pressure_never_deadlocks() -> None:
             break
     assert done == {"a", "b"}
     assert scheduler.num_preemptions > 0
+
+
+def test_block_events_stored_and_removed() -> None:
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, enable_kv_events=True), 6, 24)
+    scheduler.add_request(Request("a", list(range(9)), SamplingParams(max_tokens=1)))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {"a": [1]})
+    events = scheduler.kv.pool.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored"]
+    assert events[1].parent_hash == events[0].block_hashes[0]
+    # A new request that needs every block evicts the cached ones.
+    scheduler.add_request(Request("b", list(range(100, 121)), SamplingParams(max_tokens=1)))
+    scheduler.update_from_output(scheduler.schedule(), {"b": [1]})
+    removed = [e for e in scheduler.kv.pool.take_events() if type(e).__name__ == "BlockRemoved"]
+    assert {h for e in removed for h in e.block_hashes} == {h for e in events for h in e.block_hashes}

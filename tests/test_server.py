@@ -7,9 +7,10 @@ import signal
 import time
 
 import httpx
+import zmq
 import openai
 import pytest
-from server_utils import Server, running_server
+from server_utils import Server, free_port, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -17,9 +18,12 @@ pytestmark = pytest.mark.slow
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "256")
 
 
+KV_EVENTS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server():  # noqa: ANN201
-    with running_server(*SERVER_ARGS) as s:
+    with running_server(*SERVER_ARGS, "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}") as s:
         yield s
 
 
@@ -212,3 +216,21 @@ def test_request_timeout_and_sigterm() -> None:
     finally:
         code = s.stop(signal.SIGTERM)
     assert code == 0
+
+
+def test_prefix_cache_metrics_and_kv_events(server: Server, client: openai.OpenAI) -> None:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{KV_EVENTS_PORT}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)  # let the subscription reach the publisher
+    model = client.models.list().data[0].id
+    system = "You are a meticulous assistant. " * 20  # well over one block of shared prefix
+    hits_before = server.metric("prefix_cache_hits_total")
+    for q in ("What is 2+2?", "What is 3+3?"):
+        client.chat.completions.create(model=model, max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+    assert server.metric("prefix_cache_hits_total") - hits_before >= 16 * 5
+    assert sub.poll(5000), "no KV events were published"
+    kind, _, events = sub.recv_pyobj()
+    assert kind == "kv_events" and any(type(e).__name__ == "BlockStored" for e in events)
+    sub.close(linger=0)

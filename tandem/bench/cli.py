@@ -11,19 +11,30 @@ from tandem.bench.workloads import DATASETS, WorkloadConfig
 _W = WorkloadConfig()
 
 
+class _Help(argparse.HelpFormatter):
+    """Shows a flag's default unless its help already explains it or there is nothing to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # Identity, not equality: a default of 0 is worth showing, False (a store_true flag) is not.
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def _rate(text: str) -> float:
     return float(text)  # "inf" parses too: everything at once
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (generated locally from --seed)")
-    g.add_argument("--dataset-name", default="random", choices=DATASETS)
+    g.add_argument("--dataset-name", default="random", choices=DATASETS, help="the workload")
     g.add_argument("--dataset-path", default=None, help="mooncake_trace: the JSONL trace")
     g.add_argument("--num-prompts", type=int, default=_W.num_prompts,
                    help="requests to send (multi_turn: conversations; mooncake_trace: the first N rows)")
-    g.add_argument("--seed", type=int, default=_W.seed)
-    g.add_argument("--random-input-len", type=int, default=_W.random_input_len)
-    g.add_argument("--random-output-len", type=int, default=_W.random_output_len)
+    g.add_argument("--seed", type=int, default=_W.seed, help="seeds prompts, lengths and arrivals")
+    g.add_argument("--random-input-len", type=int, default=_W.random_input_len, help="prompt tokens")
+    g.add_argument("--random-output-len", type=int, default=_W.random_output_len, help="max_tokens")
     g.add_argument("--random-range-ratio", type=float, default=_W.random_range_ratio,
                    help="lengths uniform in [len * (1 - r), len * (1 + r)]")
     g.add_argument("--random-prefix-len", type=int, default=_W.random_prefix_len,
@@ -36,19 +47,29 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="lognormal shape: larger is a longer tail")
     g.add_argument("--synthetic-chat-max-len", type=int, default=_W.synthetic_chat_max_len,
                    help="prompt + output cap (prompts are also capped at half of it)")
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=_W.prefix_repetition_num_prefixes)
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=_W.prefix_repetition_prefix_len)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=_W.prefix_repetition_suffix_len)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=_W.prefix_repetition_output_len)
-    g.add_argument("--multi-turn-turns", type=int, default=_W.multi_turn_turns)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=_W.prefix_repetition_num_prefixes,
+                   help="distinct shared prefixes (requests cycle through them)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=_W.prefix_repetition_prefix_len,
+                   help="tokens of each shared prefix")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=_W.prefix_repetition_suffix_len,
+                   help="tokens after the prefix, unique per request")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=_W.prefix_repetition_output_len,
+                   help="max_tokens")
+    g.add_argument("--multi-turn-turns", type=int, default=_W.multi_turn_turns, help="user turns per conversation")
     g.add_argument("--multi-turn-input-len", type=int, default=_W.multi_turn_input_len,
                    help="tokens of each new user message")
-    g.add_argument("--multi-turn-output-len", type=int, default=_W.multi_turn_output_len)
-    g.add_argument("--long-short-long-fraction", type=float, default=_W.long_short_long_fraction)
-    g.add_argument("--long-short-long-input-len", type=int, default=_W.long_short_long_input_len)
-    g.add_argument("--long-short-long-output-len", type=int, default=_W.long_short_long_output_len)
-    g.add_argument("--long-short-short-input-len", type=int, default=_W.long_short_short_input_len)
-    g.add_argument("--long-short-short-output-len", type=int, default=_W.long_short_short_output_len)
+    g.add_argument("--multi-turn-output-len", type=int, default=_W.multi_turn_output_len,
+                   help="max_tokens of each reply")
+    g.add_argument("--long-short-long-fraction", type=float, default=_W.long_short_long_fraction,
+                   help="share of requests that are long")
+    g.add_argument("--long-short-long-input-len", type=int, default=_W.long_short_long_input_len,
+                   help="prompt tokens of a long request")
+    g.add_argument("--long-short-long-output-len", type=int, default=_W.long_short_long_output_len,
+                   help="max_tokens of a long request")
+    g.add_argument("--long-short-short-input-len", type=int, default=_W.long_short_short_input_len,
+                   help="prompt tokens of a short request")
+    g.add_argument("--long-short-short-output-len", type=int, default=_W.long_short_short_output_len,
+                   help="max_tokens of a short request")
     g.add_argument("--trace-time-scale", type=float, default=_W.trace_time_scale,
                    help="multiply trace timestamps (0.5 replays twice as fast)")
     g.add_argument("--trace-block-size", type=int, default=_W.trace_block_size, help="tokens per trace hash id")
@@ -59,14 +80,14 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
                    help="openai: /v1/completions; openai-chat: /v1/chat/completions")
     g.add_argument("--base-url", default=None, help="server base URL (default http://HOST:PORT)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="server host when no --base-url")
+    g.add_argument("--port", type=int, default=8000, help="server port when no --base-url")
     g.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions (default: by --backend)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     g.add_argument("--tokenizer", default=None,
                    help="local HF directory or GGUF file that counts tokens (default: Tandem's default model's)")
     g.add_argument("--api-key", default=None, help="bearer token (default: $TANDEM_API_KEY or $OPENAI_API_KEY)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     g.add_argument("--request-timeout", type=float, default=600.0,
@@ -126,13 +147,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = bench_sub.add_parser("serve", help="one benchmark run against a running server",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_Help)
     add_run_args(serve)
     add_workload_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     sweep = bench_sub.add_parser("sweep", help="one run per request rate, then a goodput-vs-rate plot",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_Help)
     add_run_args(sweep, sweep=True)
     add_workload_args(sweep)
     sweep.set_defaults(func=_cmd_sweep, request_rate=float("inf"))

@@ -55,7 +55,7 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 cache_config.prefix_caching_hash_algo)
+                                 cache_config.prefix_caching_hash_algo, cache_config.enable_kv_events)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

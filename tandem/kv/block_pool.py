@@ -75,9 +75,10 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, record_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.record_events = record_events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
@@ -103,7 +104,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.events.append(BlockRemoved([block.block_hash]))
+            if self.record_events:
+                self.events.append(BlockRemoved([block.block_hash]))
         block.block_hash = None
 
     def lookup(self, block_hash: int) -> KVBlock | None:
@@ -132,7 +134,8 @@ class BlockPool:
         # canonical copy; the second is freed normally and never found by lookups.
         if block_hash not in self.cached:
             self.cached[block_hash] = block
-            self.events.append(BlockStored([block_hash], parent_hash, salt))
+            if self.record_events:
+                self.events.append(BlockStored([block_hash], parent_hash, salt))
 
     def take_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []

@@ -40,10 +40,10 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "builtin") -> None:
+                 hash_algo: str = "builtin", record_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are already registered in the prefix cache.

@@ -43,6 +43,7 @@ class ServerSettings:
     max_waiting_requests: int = 512
     request_timeout: float | None = 600.0
     log_level: str = "WARNING"
+    kv_events_endpoint: str | None = None
 
 
 class APIError(Exception):
@@ -77,7 +78,7 @@ class APIKeyMiddleware:
 
 
 def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None) -> FastAPI:
-    engine = AsyncEngine(config, tokenizer, settings.log_level)
+    engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
     state: dict[str, Any] = {}
     key_salts = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in settings.api_keys}
 

@@ -49,7 +49,8 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, kv_events_endpoint: str | None = None) -> None:
+        self.kv_events_endpoint = kv_events_endpoint
         self.config = config
         self.tokenizer = tokenizer
         self.log_level = log_level
@@ -76,7 +77,8 @@ class AsyncEngine:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr, self.log_level), daemon=True,
+            target=run_engine_core, args=(self.config, in_addr, out_addr, self.log_level, self.kv_events_endpoint),
+            daemon=True,
             name="tandem-engine-core")
         self._proc.start()
         deadline = time.monotonic() + self.startup_timeout

@@ -7,6 +7,8 @@ Python objects over local IPC sockets (both ends are this project's own processe
   frontend -> core (PUSH/PULL): ("add", [Request]), ("abort", [request_id]), ("shutdown", None)
   core -> frontend (PUSH/PULL): ("ready", info), ("outputs", [EngineCoreOutput], CoreStats),
                                 ("failed", [request_id], message)
+  core -> anyone (PUB, optional): ("kv_events", seq, [BlockStored | BlockRemoved]) after each step
+                                  that changed the prefix cache, for a KV-aware router
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class CoreInfo:
     model_name: str
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING") -> None:
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING",
+                    kv_events_endpoint: str | None = None) -> None:
     """Process entry point."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core: %(message)s")
     # The parent handles SIGINT/SIGTERM and tells us to shut down; don't die half-way through a step.
@@ -62,6 +65,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     out.connect(output_addr)
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
+    kv_pub = None
+    if kv_events_endpoint:
+        config.cache.enable_kv_events = True
+        kv_pub = ctx.socket(zmq.PUB)
+        kv_pub.bind(kv_events_endpoint)
     try:
         from tandem.engine.core import EngineCore
         from tandem.model.loader import load_model
@@ -76,8 +84,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         out.send_pyobj(("startup_failed", f"{type(e).__name__}: {e}"))
         out.close(linger=2000)
         os._exit(1)
-    _loop(core, inp, out)
+    _loop(core, inp, out, kv_pub)
     out.close(linger=1000)
+    if kv_pub is not None:
+        kv_pub.close(linger=0)
     inp.close(linger=0)
     ctx.term()
 
@@ -90,7 +100,8 @@ def _stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
                      core.num_generation_tokens, time.monotonic())
 
 
-def _loop(core, inp: zmq.Socket, out: zmq.Socket) -> None:  # noqa: ANN001
+def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> None:  # noqa: ANN001
+    seq = 0
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:
@@ -121,3 +132,8 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket) -> None:  # noqa: ANN001
             out.send_pyobj(("failed", failed, f"engine error: {type(e).__name__}: {e}"))
             continue
         out.send_pyobj(("outputs", outputs, _stats(core)))
+        if kv_pub is not None:
+            changes = core.scheduler.kv.pool.take_events()
+            if changes:  # PUB drops when nobody listens: publishing never blocks a step
+                kv_pub.send_pyobj(("kv_events", seq, changes))
+                seq += 1
