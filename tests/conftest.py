@@ -80,5 +80,6 @@ def hf_reference(default_model_path: Path):  # noqa: ANN201
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

@@ -7,9 +7,9 @@ import signal
 import time
 
 import httpx
-import zmq
 import openai
 import pytest
+import zmq
 from server_utils import Server, free_port, running_server
 
 pytestmark = pytest.mark.slow

@@ -167,7 +167,8 @@ class OutputProcessor:
         seq.num_cached_tokens, seq.num_preemptions = out.num_cached_tokens, out.num_preemptions
         for lp in out.new_logprobs:
             assert seq.logprobs is not None and seq.cumulative_logprob is not None
-            entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True))}
+            top = zip(lp.top_ids, lp.top_logprobs, strict=True)
+            entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(top)}
             entry.setdefault(lp.token_id, Logprob(lp.token_logprob, lp.token_rank))
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lp.token_logprob
