@@ -85,7 +85,7 @@ def throughput_over_time(records: Sequence[RequestRecord], duration: float, path
     mids = (edges[:-1] + edges[1:]) / 2
     in_flight = [sum(r.start <= t < r.start + (r.latency if r.success else 0.0) for r in records) for t in mids]
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(mids, rate, color="tab:blue", label="output tok/s")
+    ax.step(mids, rate, where="mid", color="tab:blue", label="output tok/s")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens/s", color="tab:blue")
     ax.grid(alpha=0.3)

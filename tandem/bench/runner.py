@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tandem.bench.arrivals import session_offsets
@@ -35,12 +36,12 @@ class RunResult:
 
 
 class _Bar:
-    """A rich progress bar on stderr, or nothing."""
+    """A rich progress bar on stderr (stdout keeps only the results), or nothing."""
 
     def __init__(self, total: int, enabled: bool, label: str) -> None:
         self.progress = Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[failed]} failed"),
-                                 disable=not enabled, transient=False)
+                                 console=Console(stderr=True), disable=not enabled, transient=False)
         self.task = self.progress.add_task(label, total=total, failed=0)
         self.failed = 0
 

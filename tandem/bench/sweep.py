@@ -55,10 +55,12 @@ def sweep(args: argparse.Namespace, target: Target | None = None,
     stem = name[:-5] if name.endswith(".json") else name
     directory = Path(args.result_dir or ".")
     rows = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         out(f"--- request rate {rate:g} req/s")
         run_args = copy.copy(args)
         run_args.request_rate = rate
+        # Same shape, fresh prompts: one run must not find its prompts in the prefix cache another left.
+        run_args.seed = args.seed + i
         run_args.result_filename = f"{stem}-rate{rate:g}.json"
         rows.append(_row(benchmark(run_args, target, out), top))
     summary = {"date": date, "label": args.label, "backend": target.backend, "model_id": target.endpoint.model,

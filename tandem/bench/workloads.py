@@ -126,13 +126,14 @@ def join_words(words: Sequence[str]) -> str:
     return "".join(" " + w for w in words)
 
 
-_pool_cache: dict[int, list[str]] = {}
+# Keyed by identity; the tokenizer is kept alive in the entry so its id cannot be reused by another.
+_pool_cache: dict[int, tuple[Tokenizer, list[str]]] = {}
 
 
 def _word_pool(tokenizer: Tokenizer) -> list[str]:
     key = id(tokenizer)
     if key in _pool_cache:
-        return _pool_cache[key]
+        return _pool_cache[key][1]
     words: list[str] = []
     vocab = len(tokenizer)
     chunk = 4096
@@ -152,7 +153,7 @@ def _word_pool(tokenizer: Tokenizer) -> list[str]:
     if not words:
         raise ValueError("cannot build prompts with this tokenizer: no plain-word tokens in its vocabulary")
     words = words[:WORD_POOL_SIZE]
-    _pool_cache[key] = words
+    _pool_cache[key] = (tokenizer, words)
     return words
 
 

@@ -33,12 +33,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: str | None = None, prompt_text: str | None = None) -> None:
+                    cache_salt: str | None = None, prompt_text: str | None = None,
+                    arrival_time: float | None = None) -> None:
         """Validate and enqueue; raises ValueError on bad input, leaving the engine untouched."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.inputs.tokenize(prompt)
-        requests = self.inputs.make_requests(request_id, ids, params, cache_salt)
+        requests = self.inputs.make_requests(request_id, ids, params, cache_salt, arrival_time)
         self.outputs.add(request_id, prompt_text if prompt_text is not None else text, requests)
         for r in requests:
             self.core.add_request(r)

@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tandem.cache import cache_dir
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.llama import LlamaForCausalLM
@@ -42,10 +42,6 @@ class LoadedModel:
     arch: ArchConfig
     path: Path
     name: str
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
 
 
 def default_model_path() -> Path:

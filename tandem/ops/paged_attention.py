@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tandem.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 EXT_NAME = "tandem_paged_attention"
@@ -43,10 +45,6 @@ _build_failed: str | None = None  # reason, so a failed build is not retried in 
 
 def kernels_disabled() -> bool:
     return os.environ.get("TANDEM_DISABLE_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem")))
 
 
 def _cpu_signature() -> str:
