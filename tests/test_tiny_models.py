@@ -74,6 +74,9 @@ def test_logits_match_transformers(kind: str, tmp_path: Path) -> None:
         for row, i in enumerate(order):
             expected = ref(torch.tensor([prompts[i] + [nxt[row]]])).logits[0, -1]
             torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
+        # 3) One whole prompt alone: the causal fast path (no gather, no mask).
+        logits = run([len(prompts[3])], [0], prompts[3], 0, [3])
+        torch.testing.assert_close(logits, ref(torch.tensor([prompts[3]])).logits[0], atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -34,6 +34,9 @@ class AttentionMetadata:
     prefill_mask: torch.Tensor | None  # [Bp, 1, Qp, Lp] bool, True = attend
     prefill_scatter: torch.Tensor | None  # [Tp] index of each packed query in the flat [Bp*Qp] grid
     prefill_shape: tuple[int, int]  # (Bp, Qp)
+    # One multi-token query with no cached context (a whole prompt, or its first chunk): plain
+    # causal attention over the new K/V, no gather and no mask, which lets SDPA use its flash kernel.
+    prefill_causal: bool = False
 
 
 def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
@@ -58,6 +61,9 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
 
     pq, pc, ps = q_lens[num_decodes:], context_lens[num_decodes:], seq_lens[num_decodes:]
     bp, qp, lp = len(pq), int(pq.max()), int(ps.max())
+    if bp == 1 and pc[0] == 0:
+        meta.prefill_causal = True
+        return meta
     key_pos = np.arange(lp)
     valid_key = key_pos[None, :] < ps[:, None]
     gather = np.where(valid_key, block_tables[num_decodes:, np.minimum(key_pos // block_size,
@@ -95,7 +101,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if nd:
         parts.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_seq_lens, scale))
-    if meta.prefill_gather is not None:
+    if meta.prefill_causal:
+        out = F.scaled_dot_product_attention(q[nd:].transpose(0, 1).unsqueeze(0), k[nd:].transpose(0, 1).unsqueeze(0),
+                                             v[nd:].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != num_kv_heads)
+        parts.append(out.squeeze(0).transpose(0, 1))
+    elif meta.prefill_gather is not None:
         bp, qp = meta.prefill_shape
         num_heads = q.shape[1]
         qpad = q.new_zeros(bp * qp, num_heads, head_dim)
