@@ -46,10 +46,34 @@ def run_tandem(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
             "total_throughput": (n_in + n_out) / elapsed}
 
 
-def run_hf(model_path: Path, dtype: torch.dtype, prompts: list[list[int]], out_len: int, batch: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def dense_hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' Llama with the same dequantized weights as Tandem, dense, in the same dtype.
 
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=dtype).eval()
+    (transformers' own GGUF loading keeps the weights packed and casts on every matmul, which
+    would measure its GGUF kernels rather than static batching.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tandem.model.loader import load_gguf_weights
+
+    arch, weights = load_gguf_weights(model_path)
+    cfg = LlamaConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+                      intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
+                      num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+                      head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
+                      max_position_embeddings=arch.max_position_embeddings,
+                      tie_word_embeddings=arch.tie_word_embeddings)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.to(dtype) for k, v in weights.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if arch.tie_word_embeddings:
+        model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # computed buffers were on meta
+    return model.to(dtype).eval()
+
+
+def run_hf(model_path: Path, dtype: torch.dtype, prompts: list[list[int]], out_len: int, batch: int) -> dict:
+    model = dense_hf_model(model_path, dtype)
     start = time.perf_counter()
     n_out = 0
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
