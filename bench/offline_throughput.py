@@ -177,7 +177,30 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+    plot_steps(steps, out.with_suffix(".png"))
     return 0
+
+
+def plot_steps(steps: list[dict], path: Path) -> None:
+    """Stacked bars: model forward vs everything else, per decode batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(s["batch"]) for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, [s["forward_ms"] for s in steps], label="model forward")
+    ax.bar(labels, [s["other_ms"] for s in steps], bottom=[s["forward_ms"] for s in steps],
+           label="schedule + prepare + sample + update")
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per step")
+    ax.set_title("Tandem decode step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    console.print(f"plot: {path}")
 
 
 if __name__ == "__main__":

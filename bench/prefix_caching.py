@@ -140,7 +140,8 @@ def main() -> int:
         for mode in ("on", "off"):
             r = result[workload][mode]
             table.add_row(workload, mode, f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}",
-                          f"{r['prefix_hit_rate']:.1%}", f"{r['output_throughput']:.1f}", f"{r['total_throughput']:.1f}")
+                          f"{r['prefix_hit_rate']:.1%}", f"{r['output_throughput']:.1f}",
+                          f"{r['total_throughput']:.1f}")
         on, off = result[workload]["on"], result[workload]["off"]
         result[workload]["ttft_p50_ratio_on_over_off"] = on["ttft_p50_ms"] / off["ttft_p50_ms"]
     Console().print(table)
