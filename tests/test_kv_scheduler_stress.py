@@ -154,3 +154,22 @@ def test_block_events_stored_and_removed() -> None:
     scheduler.update_from_output(scheduler.schedule(), {"b": [1]})
     removed = [e for e in scheduler.kv.pool.take_events() if type(e).__name__ == "BlockRemoved"]
     assert {h for e in removed for h in e.block_hashes} == {h for e in events for h in e.block_hashes}
+
+
+def test_prefix_lookups_counted_once_while_blocked() -> None:
+    # The pool fits one request at a time: the second waits at the head of the queue for several
+    # steps, and its lookup must still be counted once.
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 8, 32)
+    for rid, start in (("a", 0), ("b", 100)):
+        scheduler.add_request(Request(rid, list(range(start, start + 20)),
+                                      SamplingParams(max_tokens=8, ignore_eos=True)))
+    for _ in range(40):
+        out = scheduler.schedule()
+        sampled = {s.request.request_id: [1] for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens}
+        scheduler.update_from_output(out, sampled)
+        if not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv.prefix_stats.queries == 40
+    assert scheduler.kv.prefix_stats.hits == 0

@@ -131,6 +131,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0 and request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+                self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:

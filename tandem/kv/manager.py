@@ -71,10 +71,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if request.num_preemptions == 0:  # count each prompt once, as vLLM does
-            self.prefix_stats.queries += request.num_tokens
-            self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a prompt's lookup once, when it is admitted (a request stuck at the head of the
+        queue is looked up every step), and not again after a preemption, as vLLM does."""
+        if self.enable_caching and request.num_preemptions == 0:
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += num_hit_tokens
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
