@@ -73,8 +73,8 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
     mask &= (np.arange(qp)[None, :] < pq[:, None])[:, :, None]
     mask[:, :, 0] = True  # padded query rows attend one key rather than none (avoids NaN rows)
-    p_starts = np.cumsum(pq) - pq
-    scatter = np.repeat(np.arange(bp) * qp, pq) + np.arange(int(pq.sum())) - np.repeat(p_starts, pq)
+    # Row b's queries go to b * Qp + their index within the chunk.
+    scatter = np.repeat(np.arange(bp) * qp, pq) + token_positions(pq, np.zeros_like(pq))
     meta.prefill_gather = torch.from_numpy(gather).to(device)
     meta.prefill_mask = torch.from_numpy(mask[:, None]).to(device)
     meta.prefill_scatter = torch.from_numpy(scatter).to(device)
