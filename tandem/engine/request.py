@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,10 +16,14 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # Disaggregated decode: blocks reserved, the prompt's KV is arriving from a prefill worker.
+    WAITING_FOR_REMOTE_KV = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    # Disaggregated prefill: the first token is sampled and the KV sent; decoding goes on elsewhere.
+    FINISHED_TRANSFERRED = 7
 
     @property
     def finished(self) -> bool:
@@ -55,6 +60,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    # Set on a prefill worker: where this prompt's KV goes (a disagg.transport.TransferHandle). The
+    # request stops after its first token and the decode worker carries on.
+    kv_transfer: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.manager import KVCacheManager
@@ -58,6 +60,8 @@ class Scheduler:
                                  cache_config.prefix_caching_hash_algo, cache_config.enable_kv_events)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Disaggregated decode: requests holding reserved blocks while their KV arrives.
+        self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -81,13 +85,50 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.remote[request.request_id]
         request.status = status
         request.finish_time = time.monotonic()
         self.kv.free(request)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return len(self.requests) > len(self.remote)  # a reservation alone needs no steps
+
+    # -- disaggregated decode -----------------------------------------------------------------
+    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt whose KV a prefill worker will write. Returns the block ids
+        (one per prompt block) and how many leading tokens this pool already holds (prefix cache
+        hits, which need not be sent), or None when the pool has no room now."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        # Nothing is computed here: the whole prompt arrives or is already cached.
+        if self.kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hits, defer_caching=True) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = num_hit_tokens
+        request.scheduled_time = time.monotonic()
+        self.kv.record_prefix_lookup(request, num_hit_tokens)
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return self.kv.get_block_ids(request.request_id), num_hit_tokens
+
+    def admit_remote(self, request_id: str, first_token: int, generator_state: torch.Tensor | None) -> bool:
+        """The prompt's KV is in place and the prefill worker sampled the first token: decode from
+        here. False if the reservation is gone (aborted or expired)."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return False
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_blocks(request, request.num_tokens)
+        request.append_output_token(first_token)
+        request.first_token_time = time.monotonic()
+        if generator_state is not None and request.generator is not None:
+            request.generator.set_state(generator_state)  # seeded sampling continues the same stream
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)  # it holds its blocks already: serve it first
+        return True
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -129,7 +170,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.popleft()
-            if request.num_preemptions == 0 and request.status == RequestStatus.WAITING:
+            if request.scheduled_time is None:  # first admission, not a resume
                 request.num_cached_tokens = num_hit_tokens
                 self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.num_computed_tokens += num_hit_tokens
@@ -179,6 +220,8 @@ class Scheduler:
                 request.append_output_token(token)
                 kept.append(token)
                 status = self._check_stop(request, token)
+                if status is None and request.kv_transfer is not None:
+                    status = RequestStatus.FINISHED_TRANSFERRED  # the decode worker takes it from here
                 if status is not None:
                     self._finish(request, status)
                     break

@@ -83,9 +83,10 @@ class KVCacheManager:
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
+                       num_lookahead_tokens: int = 0, defer_caching: bool = False) -> list[KVBlock] | None:
         """Make room for num_new_tokens (plus lookahead) after the computed ones; None if the pool
-        cannot, in which case nothing changes."""
+        cannot, in which case nothing changes. With defer_caching the new blocks stay private until
+        cache_blocks() (their KV is written by someone else, later: a disaggregated prefill)."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -101,11 +102,16 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not defer_caching:
             # Blocks that will be full once this step's tokens are computed become shareable now:
             # a request scheduled later in the same step reads them after this step writes them.
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make the request's full blocks up to num_tokens shareable (their KV is now in place)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_blocks.get(request.request_id, []), num_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         self.update_block_hashes(request)

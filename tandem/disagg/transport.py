@@ -1,0 +1,263 @@
+"""The KV transfer interface: move the bytes of block ranges from a prefill worker's pool into the
+blocks a decode worker reserved, one layer at a time.
+
+The decode side (KVReceiver) owns its pool and says where to write (a KVEndpoint inside every
+TransferHandle); the prefill side (KVSender) writes layer slices as the model finishes each layer
+and reports when everything it wrote has landed. Writes are accepted only into blocks of an open
+reservation, so a late write can never touch blocks that were given to someone else.
+
+Backends: shared memory on one host (the decode pool lives in a memfd the prefill worker maps and
+writes straight into) and ZeroMQ over TCP across hosts (signed with the shared secret). Another
+backend (Mooncake's transfer engine, RDMA) fits the same two classes: write = one remote write of a
+block range, finish = a fence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    kind: str  # "shm" or "zmq"
+    address: str  # shm: a path the pool can be mapped from; zmq: tcp://host:port
+    host: str  # shm works only from this host
+    pool_shape: tuple[int, ...]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: str
+
+
+@dataclass
+class TransferHandle:
+    """The decode worker's answer to a reservation: where each prompt block's KV goes."""
+
+    request_id: str
+    block_ids: list[int]  # decode-side block of prompt block i
+    num_cached_blocks: int  # leading blocks the decode worker already holds: not sent
+    endpoint: KVEndpoint
+    worker_id: str = ""
+
+
+@dataclass
+class TransferResult:
+    request_id: str
+    ok: bool
+    error: str | None = None
+    num_bytes: int = 0
+    copy_s: float = 0.0  # spent on the compute thread issuing writes
+    window_s: float = 0.0  # first write to confirmed landing
+    wait_s: float = 0.0  # end of compute to confirmed landing (not hidden)
+
+    @property
+    def hidden_s(self) -> float:
+        """Transfer time that overlapped the model's compute instead of adding to it."""
+        return max(self.window_s - self.copy_s - self.wait_s, 0.0)
+
+
+@dataclass
+class _Progress:
+    handle: TransferHandle
+    num_bytes: int = 0
+    copy_s: float = 0.0
+    first_write: float | None = None
+    finished: float | None = None
+    error: str | None = None
+
+
+class KVSender(ABC):
+    """Prefill side. write() and finish() run on the engine thread; poll() reports results."""
+
+    def __init__(self) -> None:
+        self._progress: dict[str, _Progress] = {}
+        self._done: list[TransferResult] = []
+
+    def write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
+        """kv: [2, len(dst_block_ids), block_size, kv_heads, head_dim], this layer's K and V."""
+        p = self._progress.get(handle.request_id)
+        if p is None:
+            p = self._progress[handle.request_id] = _Progress(handle)
+        if p.error is not None:
+            return
+        t0 = time.perf_counter()
+        if p.first_write is None:
+            p.first_write = t0
+        try:
+            self._write(handle, layer, dst_block_ids, kv)
+        except Exception as e:  # reported through poll(), never raised into the model's forward
+            p.error = f"{type(e).__name__}: {e}"
+        p.num_bytes += kv.numel() * kv.element_size()
+        p.copy_s += time.perf_counter() - t0
+
+    def finish(self, handle: TransferHandle) -> None:
+        """Everything for this request is written; its result comes from poll() once it has landed."""
+        p = self._progress.setdefault(handle.request_id, _Progress(handle))
+        p.finished = time.perf_counter()
+        if p.first_write is None:
+            p.first_write = p.finished  # nothing to send: the decode worker had it all cached
+        if p.error is None:
+            try:
+                self._finish(handle, p.num_bytes)
+                return
+            except Exception as e:
+                p.error = f"{type(e).__name__}: {e}"
+        self._complete(handle.request_id, p.error)
+
+    def abort(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+
+    def _complete(self, request_id: str, error: str | None) -> None:
+        p = self._progress.pop(request_id, None)
+        if p is None:
+            return
+        now = time.perf_counter()
+        error = error or p.error
+        finished = p.finished if p.finished is not None else now
+        start = p.first_write if p.first_write is not None else finished
+        self._done.append(TransferResult(request_id, error is None, error, p.num_bytes, p.copy_s, now - start,
+                                         now - finished))
+
+    def poll(self) -> list[TransferResult]:
+        self._check()
+        done, self._done = self._done, []
+        return done
+
+    def _check(self) -> None:  # noqa: B027 (asynchronous backends collect confirmations here)
+        pass
+
+    @abstractmethod
+    def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _finish(self, handle: TransferHandle, num_bytes: int) -> None:
+        """Arrange for _complete(request_id, error) once every write has landed."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+class KVReceiver(ABC):
+    """Decode side: allocates the pool the engine uses and guards which blocks may be written."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, frozenset[int]] = {}
+        self.pool: torch.Tensor | None = None
+        self.bytes_received = 0
+
+    @abstractmethod
+    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> KVEndpoint: ...
+
+    def open(self, request_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._open[request_id] = frozenset(block_ids)
+
+    def close(self, request_id: str) -> None:
+        """After this returns no write for the request lands: its blocks may be reused."""
+        with self._lock:
+            self._open.pop(request_id, None)
+
+    def _write_locked(self, request_id: str, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
+        with self._lock:
+            allowed = self._open.get(request_id)
+            if allowed is None:
+                raise TransferError(f"no open reservation for {request_id!r}")
+            if not allowed.issuperset(dst_block_ids):
+                raise TransferError(f"write outside the blocks reserved for {request_id!r}")
+            assert self.pool is not None
+            self.pool[layer][:, dst_block_ids] = kv
+            self.bytes_received += kv.numel() * kv.element_size()
+
+    def shutdown(self) -> None:  # noqa: B027
+        pass
+
+
+@dataclass
+class TransferStats:
+    """Running totals a worker reports in its heartbeat; the router exports them per role."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    transfer_s: float = 0.0
+    hidden_s: float = 0.0
+    exposed_s: float = 0.0
+    reservations: int = 0
+    reservations_refused: int = 0
+    recent: list[float] = field(default_factory=list)  # transfer windows since the last heartbeat
+
+    def add(self, r: TransferResult) -> None:
+        if r.ok:
+            self.transfers_ok += 1
+            self.bytes_sent += r.num_bytes
+            self.transfer_s += r.window_s
+            self.hidden_s += r.hidden_s
+            self.exposed_s += r.copy_s + r.wait_s
+            self.recent.append(r.window_s)
+        else:
+            self.transfers_failed += 1
+
+
+def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> KVReceiver:
+    if kind == "shm":
+        from tandem.disagg.transports.shm import ShmReceiver
+
+        return ShmReceiver()
+    if kind == "zmq":
+        from tandem.disagg.transports.zmq_tcp import ZmqReceiver
+
+        return ZmqReceiver(host, port, secret)
+    raise ValueError(f"unknown KV transport {kind!r} (choose shm or zmq)")
+
+
+class RoutingSender(KVSender):
+    """Picks the backend from each handle's endpoint, so one prefill worker can feed decode workers
+    on its own host (shared memory) and on others (TCP) at once."""
+
+    def __init__(self, secret: bytes) -> None:
+        super().__init__()
+        self.secret = secret
+        self._backends: dict[str, KVSender] = {}
+
+    def _backend(self, kind: str) -> KVSender:
+        b = self._backends.get(kind)
+        if b is None:
+            if kind == "shm":
+                from tandem.disagg.transports.shm import ShmSender
+
+                b = ShmSender()
+            elif kind == "zmq":
+                from tandem.disagg.transports.zmq_tcp import ZmqSender
+
+                b = ZmqSender(self.secret)
+            else:
+                raise TransferError(f"unknown KV transport {kind!r}")
+            b._complete = self._complete  # results land in this sender's queue
+            self._backends[kind] = b
+        return b
+
+    def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
+        self._backend(handle.endpoint.kind)._write(handle, layer, dst_block_ids, kv)
+
+    def _finish(self, handle: TransferHandle, num_bytes: int) -> None:
+        self._backend(handle.endpoint.kind)._finish(handle, num_bytes)
+
+    def _check(self) -> None:
+        for b in self._backends.values():
+            b._check()
+
+    def close(self) -> None:
+        for b in self._backends.values():
+            b.close()
