@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import socket
 import sys
 import time
 
@@ -24,6 +26,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of args, as a command line (for workers started from this process)."""
+    argv = [args.model] if args.model else []
+    for key, value in engine_kwargs(args).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -70,7 +84,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
     import signal
 
     import torch
@@ -88,13 +101,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint)
-    app = build_app(config, settings, load_tokenizer(args.model))
+    tokenizer = load_tokenizer(args.model)
+    engine = None
+    if args.prefill_workers or args.decode_workers or args.router_bind:
+        engine = _disaggregated_engine(args, config, tokenizer)
+    app = build_app(config, settings, tokenizer, engine)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     return 0
+
+
+def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa: ANN001, ANN202
+    from tandem.disagg.launch import local_launcher
+    from tandem.disagg.router import DisaggEngine, RouterSettings
+    from tandem.disagg.wire import SECRET_ENV, new_secret
+
+    secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
+    launch = None
+    if args.prefill_workers or args.decode_workers:
+        launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
+                                args.kv_transport, secret, args.log_level.upper())
+    settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
+                              expected_workers=args.prefill_workers + args.decode_workers,
+                              heartbeat_timeout=args.worker_heartbeat_timeout)
+    return DisaggEngine(config, tokenizer, settings, launch=launch)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tandem.config import EngineConfig
+    from tandem.disagg.launch import parse_cores
+    from tandem.disagg.wire import secret_from_env
+    from tandem.disagg.worker import run_worker
+
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    cores = parse_cores(args.cores) if args.cores else None
+    return run_worker(config, args.role, args.router, secret_from_env(), worker_id, cores, args.kv_transport,
+                      args.kv_host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--uvicorn-log-level", default="warning")
     srv.add_argument("--kv-events-endpoint", default=None,
                      help="publish prefix-cache block events on this ZeroMQ PUB address (e.g. tcp://127.0.0.1:5557)")
+    dis = srv.add_argument_group("disaggregation (a router in front of prefill and decode workers)")
+    dis.add_argument("--prefill-workers", type=int, default=0, help="prefill workers to start on this host")
+    dis.add_argument("--decode-workers", type=int, default=0, help="decode workers to start on this host")
+    dis.add_argument("--worker-cores", nargs="+", default=None, metavar="CORES",
+                     help="cores of each local worker, prefill workers first (e.g. 0 1, or 0-1 2-3); "
+                     "default one core each, round-robin")
+    dis.add_argument("--kv-transport", default="shm", choices=["shm", "zmq"],
+                     help="how local decode workers receive KV: shared memory or ZeroMQ/TCP")
+    dis.add_argument("--router-bind", default=None,
+                     help="address workers connect to (e.g. tcp://0.0.0.0:5600 to let other hosts join; "
+                     "they need the same $TANDEM_DISAGG_SECRET)")
+    dis.add_argument("--worker-heartbeat-timeout", type=float, default=5.0,
+                     help="seconds of silence before a worker is declared dead")
     srv.set_defaults(func=cmd_serve)
+
+    wrk = sub.add_parser("worker", help="a prefill or decode worker that joins a router (tandem serve)")
+    add_engine_args(wrk)
+    wrk.add_argument("--role", required=True, choices=["prefill", "decode"])
+    wrk.add_argument("--router", required=True, help="the router's worker address, e.g. tcp://10.0.0.1:5600")
+    wrk.add_argument("--worker-id", default=None)
+    wrk.add_argument("--cores", default=None, help="pin to these cores (e.g. 0 or 0-3); threads follow")
+    wrk.add_argument("--kv-transport", default="zmq", choices=["shm", "zmq"],
+                     help="decode workers: receive KV by shared memory (same host only) or ZeroMQ/TCP")
+    wrk.add_argument("--kv-host", default="127.0.0.1", help="decode workers: address the KV receiver binds")
+    wrk.set_defaults(func=cmd_worker)
 
     from tandem.bench.cli import add_bench_parser
 

@@ -132,6 +132,9 @@ class KVSender(ABC):
     def _check(self) -> None:  # noqa: B027 (asynchronous backends collect confirmations here)
         pass
 
+    def forget(self, address: str) -> None:  # noqa: B027
+        pass
+
     @abstractmethod
     def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None: ...
 
@@ -257,6 +260,11 @@ class RoutingSender(KVSender):
     def _check(self) -> None:
         for b in self._backends.values():
             b._check()
+
+    def forget(self, address: str) -> None:
+        """A decode worker went away: drop what points at it and fail transfers waiting on it."""
+        for b in self._backends.values():
+            b.forget(address)
 
     def close(self) -> None:
         for b in self._backends.values():

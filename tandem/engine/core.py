@@ -14,7 +14,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.request import Request
-from tandem.engine.runner import ModelRunner, StepTimings, num_kv_blocks
+from tandem.engine.runner import KVAllocator, ModelRunner, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerStats
 from tandem.model.llama import LlamaForCausalLM
@@ -55,7 +55,7 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":
             load_kernel()  # load (or, if set-up was skipped, build) now rather than on the first step
@@ -63,7 +63,7 @@ class EngineCore:
         num_blocks = num_kv_blocks(config, model.cfg)
         self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings, num_blocks * config.cache.block_size)
-        self.runner = ModelRunner(config, model, num_blocks)
+        self.runner = ModelRunner(config, model, num_blocks, kv_allocator)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.last_step = StepStats()
         self.num_prompt_tokens = 0

@@ -7,7 +7,9 @@ tensors the model consumes. Per-step Python work is O(requests), never O(request
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,7 +17,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
 from tandem.model.llama import LlamaForCausalLM
@@ -44,15 +46,31 @@ def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
     return max(int(config.cache.kv_cache_memory * GiB) // per_block, 1)
 
 
+class LayerHook(Protocol):
+    """Plans per-layer work for a step (the disaggregated prefill's KV send): returns the callback
+    the model runs after each layer, or None when this step has nothing to do."""
+
+    def plan(self, items: list[ScheduledRequest], kv_caches: torch.Tensor) -> Callable[[int], None] | None: ...
+
+
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # torch.zeros is backed by lazily zeroed pages, so a large pool costs nothing until used.
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
+                 kv_allocator: KVAllocator | None = None) -> None:
         self.model = model
         self.block_size = config.cache.block_size
         self.device = torch.device(config.model.device)
         arch = model.cfg
-        # torch.zeros is backed by lazily zeroed pages, so a large pool costs nothing until used.
-        self.kv_caches = torch.zeros(arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads,
-                                     arch.head_dim, dtype=config.model.dtype, device=self.device)
+        shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = (kv_allocator or _zeros)(shape, config.model.dtype, self.device)
+        self.layer_hook: LayerHook | None = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -81,7 +99,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
-        logits = self.model(ids, meta, self.kv_caches, idx)
+        after_layer = self.layer_hook.plan(items, self.kv_caches) if self.layer_hook is not None else None
+        logits = self.model(ids, meta, self.kv_caches, idx, after_layer)
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}

@@ -6,6 +6,8 @@ logits for the sampled positions out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -69,13 +71,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        Returns float32 logits for the tokens at logits_indices only."""
+        Returns float32 logits for the tokens at logits_indices only. after_layer(i) runs once layer
+        i's KV is in the pool (a disaggregated prefill ships it while the next layer computes)."""
         cos, sin = self.rotary.lookup(meta.positions)
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 

@@ -22,7 +22,7 @@ import tandem
 from tandem.config import EngineConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.serve.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
+from tandem.serve.async_engine import AsyncEngine, EngineClient, EngineDeadError, EngineRequestError
 from tandem.serve.metrics import RequestTimer, ServerMetrics
 from tandem.serve.openai_format import Formatter, usage
 from tandem.serve.protocol import (
@@ -77,8 +77,12 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None) -> FastAPI:
-    engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
+def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None,
+              engine: EngineClient | None = None) -> FastAPI:
+    """The OpenAI API over an engine: by default one local engine core; pass another EngineClient
+    (the disaggregated router) to serve the same API in front of it."""
+    if engine is None:
+        engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
     state: dict[str, Any] = {}
     key_salts = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in settings.api_keys}
 
@@ -88,6 +92,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         assert engine.info is not None
         state["model"] = settings.served_model_name or engine.info.model_name
         state["metrics"] = ServerMetrics(state["model"])
+        engine.attach_metrics(state["metrics"])
         yield
         await engine.shutdown()
 

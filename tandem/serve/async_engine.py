@@ -24,10 +24,13 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
+from tandem.engine.core import EngineCoreOutput
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
+from tandem.engine.request import Request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.core_proc import CoreInfo, CoreStats, run_engine_core
+from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +50,13 @@ class _Stream:
     consuming: bool = False  # someone iterates; if nobody ever does, the entry goes when it finishes
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
-                 startup_timeout: float = 300.0, kv_events_endpoint: str | None = None) -> None:
-        self.kv_events_endpoint = kv_events_endpoint
-        self.config = config
+class EngineClient:
+    """What the HTTP layer needs from an engine: validate and enqueue, stream outputs per request,
+    abort, report health and stats. AsyncEngine drives one local core; the disaggregated router
+    (tandem.disagg.router) drives a cluster of workers behind the same interface."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.log_level = log_level
-        self.startup_timeout = startup_timeout
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
         self.inputs: InputProcessor | None = None
@@ -62,6 +64,115 @@ class AsyncEngine:
         self.streams: dict[str, _Stream] = {}
         self.dead: str | None = None
         self.listeners: list = []  # callables(RequestOutput) for metrics
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def _submit(self, requests: list[Request]) -> None:
+        """Send the validated engine requests on their way (synchronously)."""
+        raise NotImplementedError
+
+    async def _abort_in_engine(self, child_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:  # noqa: B027 (engines with more to say override)
+        """Register engine-specific series next to the server's."""
+
+    def _make_inputs(self, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
+        assert self.info is not None
+        self.inputs = InputProcessor(self.tokenizer, ModelLimits(
+            self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, max_num_batched_tokens,
+            enable_chunked_prefill))
+
+    # -- requests -----------------------------------------------------------------------------
+    def num_unstarted(self) -> int:
+        """Requests accepted but without a first output yet: the server's admission queue."""
+        return sum(1 for s in self.streams.values() if not s.first_output)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
+                 cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
+        the request finishes. Closing it early aborts the request.
+
+        Enqueueing is synchronous so that admission control sees every accepted request at once,
+        even before anyone iterates."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead or "engine is not running")
+        assert self.inputs is not None
+        rid = request_id or uuid.uuid4().hex
+        requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
+        stream = _Stream()
+        self.streams[rid] = stream
+        self.outputs.add(rid, prompt_text, requests)
+        self._submit(requests)
+        return self._consume(rid, stream)
+
+    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        stream.consuming = True
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.streams.pop(rid, None)
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        children = self.outputs.child_ids(request_id)
+        self.outputs.abort(request_id)
+        if children:
+            await self._abort_in_engine(children)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        stream = self.streams.get(request_id)
+        self.outputs.abort(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    def _fail_children(self, child_ids: list[str], error: Exception) -> None:
+        parents = {self.outputs.child_to_parent.get(c) for c in child_ids} - {None}
+        for rid in parents:
+            self._fail(rid, error)
+
+    def _deliver(self, core_outputs: list[EngineCoreOutput]) -> list[str]:
+        """Detokenize and hand outputs to their streams; returns the child ids a stop string ended,
+        which the caller aborts in the engine."""
+        results, stopped = self.outputs.process(core_outputs)
+        for out in results:
+            for listener in self.listeners:
+                listener(out)
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.first_output = True
+                stream.queue.put_nowait(out)
+                if out.finished and not stream.consuming:
+                    del self.streams[out.request_id]
+        return stopped
+
+
+class AsyncEngine(EngineClient):
+    def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
+                 startup_timeout: float = 300.0, kv_events_endpoint: str | None = None) -> None:
+        super().__init__(tokenizer)
+        self.kv_events_endpoint = kv_events_endpoint
+        self.config = config
+        self.log_level = log_level
+        self.startup_timeout = startup_timeout
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="tandem-")
         self._ctx = zmq.asyncio.Context()
@@ -94,10 +205,7 @@ class AsyncEngine:
                 raise RuntimeError(f"engine core exited during start-up (exit code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError("engine core did not start in time")
-        sched = self.config.scheduler
-        self.inputs = InputProcessor(self.tokenizer, ModelLimits(
-            self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, sched.max_num_batched_tokens,
-            sched.enable_chunked_prefill))
+        self._make_inputs(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.enable_chunked_prefill)
         self._reader = asyncio.create_task(self._read_outputs())
         self._watchdog = asyncio.create_task(self._watch_process())
 
@@ -123,58 +231,13 @@ class AsyncEngine:
         return self.dead is None and self._proc is not None and self._proc.is_alive()
 
     # -- requests -----------------------------------------------------------------------------
-    def num_unstarted(self) -> int:
-        """Requests accepted but without a first output yet: the server's admission queue."""
-        return sum(1 for s in self.streams.values() if not s.first_output)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
-                 cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
-        the request finishes. Closing it early aborts the request.
-
-        Enqueueing is synchronous so that admission control sees every accepted request at once,
-        even before anyone iterates."""
-        if not self.healthy:
-            raise EngineDeadError(self.dead or "engine core is not running")
-        assert self.inputs is not None
-        rid = request_id or uuid.uuid4().hex
-        requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
-        stream = _Stream()
-        self.streams[rid] = stream
-        self.outputs.add(rid, prompt_text, requests)
+    def _submit(self, requests: list[Request]) -> None:
         # Not awaited: zmq.asyncio sends in call order, and this keeps enqueueing atomic.
         self._push.send_pyobj(("add", requests))
-        return self._consume(rid, stream)
 
-    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        stream.consuming = True
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self.streams.pop(rid, None)
-            if not finished:
-                await self.abort(rid)
-
-    async def abort(self, request_id: str) -> None:
-        children = self.outputs.child_ids(request_id)
-        self.outputs.abort(request_id)
-        if children and self.healthy:
-            await self._push.send_pyobj(("abort", children))
-
-    def _fail(self, request_id: str, error: Exception) -> None:
-        stream = self.streams.get(request_id)
-        self.outputs.abort(request_id)
-        if stream is not None:
-            stream.queue.put_nowait(error)
+    async def _abort_in_engine(self, child_ids: list[str]) -> None:
+        if self.healthy:
+            await self._push.send_pyobj(("abort", child_ids))
 
     async def _read_outputs(self) -> None:
         while True:
@@ -184,23 +247,12 @@ class AsyncEngine:
                 _, core_outputs, self.stats = msg
                 if not core_outputs:
                     continue
-                results, stopped = self.outputs.process(core_outputs)
+                stopped = self._deliver(core_outputs)
                 if stopped:
                     await self._push.send_pyobj(("abort", stopped))
-                for out in results:
-                    for listener in self.listeners:
-                        listener(out)
-                    stream = self.streams.get(out.request_id)
-                    if stream is not None:
-                        stream.first_output = True
-                        stream.queue.put_nowait(out)
-                        if out.finished and not stream.consuming:
-                            del self.streams[out.request_id]
             elif kind == "failed":
                 _, child_ids, message = msg
-                parents = {self.outputs.child_to_parent.get(c) for c in child_ids} - {None}
-                for rid in parents:
-                    self._fail(rid, EngineRequestError(message))
+                self._fail_children(child_ids, EngineRequestError(message))
 
     async def _watch_process(self) -> None:
         while True:

@@ -76,10 +76,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
         loaded = load_model(config.model.model, config.model.dtype, config.model.device)
         core = EngineCore(config, loaded.model)
-        eos = getattr(loaded.tokenizer, "eos_token_id", None)
-        out.send_pyobj(("ready", CoreInfo(core.max_model_len, loaded.arch.vocab_size,
-                                          eos if eos is not None else loaded.arch.eos_token_id, core.num_blocks,
-                                          loaded.name)))
+        out.send_pyobj(("ready", core_info(core, loaded)))
     except Exception as e:  # report why we could not start, then exit non-zero
         out.send_pyobj(("startup_failed", f"{type(e).__name__}: {e}"))
         out.close(linger=2000)
@@ -92,7 +89,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     ctx.term()
 
 
-def _stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
+def core_info(core, loaded) -> CoreInfo:  # noqa: ANN001 (EngineCore, LoadedModel)
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
+                    core.num_blocks, loaded.name)
+
+
+def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
     s = core.stats()
     usage = core.scheduler.kv.usage()
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
@@ -120,7 +123,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> 
                 core.abort(payload)
             events = dict(poller.poll(0))
         if not core.has_unfinished():
-            out.send_pyobj(("outputs", [], _stats(core)))  # heartbeat with fresh stats
+            out.send_pyobj(("outputs", [], core_stats(core)))  # heartbeat with fresh stats
             continue
         try:
             outputs = core.step()
@@ -131,7 +134,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> 
             core.abort(failed)
             out.send_pyobj(("failed", failed, f"engine error: {type(e).__name__}: {e}"))
             continue
-        out.send_pyobj(("outputs", outputs, _stats(core)))
+        out.send_pyobj(("outputs", outputs, core_stats(core)))
         if kv_pub is not None:
             changes = core.scheduler.kv.pool.take_events()
             if changes:  # PUB drops when nobody listens: publishing never blocks a step

@@ -58,6 +58,7 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self._last: CoreStats | None = None
+        self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
         # Export every series from the start (at zero) rather than only once it first moves.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
@@ -108,4 +109,6 @@ class ServerMetrics:
 
     def render(self, stats: CoreStats | None) -> bytes:
         self.observe_core(stats)
+        for collect in self.collectors:
+            collect()
         return generate_latest(self.registry)

@@ -144,11 +144,11 @@ class ZmqSender(KVSender):
                 if self._inflight.pop(rid, None) is not None:
                     self._complete(rid, error)
 
-    def fail_address(self, address: str, reason: str) -> None:
+    def forget(self, address: str) -> None:
         """The decode worker at address is gone: fail its transfers now rather than at their timeout."""
         for rid in [r for r, a in self._inflight.items() if a == address]:
             del self._inflight[rid]
-            self._complete(rid, reason)
+            self._complete(rid, "the decode worker went away")
         s = self._socks.pop(address, None)
         if s is not None:
             self._poller.unregister(s)

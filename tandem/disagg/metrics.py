@@ -1,0 +1,84 @@
+"""Prometheus metrics of a disaggregated deployment, exported by the router next to the usual ones:
+per worker (role, liveness, KV blocks, transfer bytes and times) and the router's own (reserve waits,
+retries, colocated fallbacks, worker deaths)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tandem.serve.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from tandem.disagg.router import DisaggEngine
+
+
+class DisaggMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        w = ["model_name", "worker", "role"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tandem:{name}", doc, w, registry=registry)
+
+        def counter(name: str, doc: str, labels: list[str] = w) -> Counter:
+            return Counter(f"tandem:{name}", doc, labels, registry=registry)
+
+        self.up = gauge("worker_up", "1 while the worker heart-beats, 0 once it was declared dead.")
+        self.used_blocks = gauge("worker_kv_cache_used_blocks", "KV blocks in use on the worker.")
+        self.running = gauge("worker_num_requests_running", "Requests running on the worker.")
+        self.waiting = gauge("worker_num_requests_waiting", "Requests waiting on the worker.")
+        self.bytes_sent = counter("kv_transfer_sent_bytes", "KV bytes a prefill worker shipped.")
+        self.bytes_received = counter("kv_transfer_received_bytes", "KV bytes a decode worker received by TCP "
+                                      "(shared-memory writes land without the receiver's help).")
+        self.transfers = counter("kv_transfers", "KV transfers finished, by outcome.", w + ["outcome"])
+        self.transfer_s = counter("kv_transfer_seconds", "Transfer windows: first layer written to all landed.")
+        self.hidden_s = counter("kv_transfer_hidden_seconds", "Transfer time overlapped with model compute.")
+        self.exposed_s = counter("kv_transfer_exposed_seconds", "Transfer time added to the prefill's critical path.")
+        self.reservations = counter("kv_reservations", "Blocks reservations a decode worker granted.")
+        self.refused = counter("kv_reservations_refused", "Reservations refused for lack of free blocks.")
+        r = ["model_name"]
+        self.reserve_wait = Histogram("tandem:kv_reserve_wait_seconds", "Time a request waited for a decode "
+                                      "worker's blocks.", r, buckets=LATENCY_BUCKETS, registry=registry)
+        self.retries = counter("router_retries", "Disaggregated attempts retried after a failure.", r)
+        self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on one worker because the "
+                                 "disaggregated path failed.", r)
+        self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
+        self._last: dict[tuple, float] = {}
+        for metric in (self.retries, self.fallbacks, self.deaths):
+            metric.labels(model_name)  # exported at zero from the start
+
+    def _inc(self, counter: Counter, labels: tuple, value: float) -> None:
+        """Counters mirror running totals reported elsewhere: add what is new since the last look."""
+        key = (id(counter), *labels)
+        delta = value - self._last.get(key, 0.0)
+        if delta > 0:
+            counter.labels(*labels).inc(delta)
+        self._last[key] = value
+
+    def collect(self, engine: DisaggEngine) -> None:
+        m = self.model_name
+        for worker in engine.workers.values():
+            labels = (m, worker.worker_id, worker.role)
+            self.up.labels(*labels).set(1 if worker.alive else 0)
+            if worker.stats is None:
+                continue
+            core, t = worker.stats.core, worker.stats.transfer
+            self.used_blocks.labels(*labels).set(core.num_used_blocks if worker.alive else 0)
+            self.running.labels(*labels).set(core.num_running if worker.alive else 0)
+            self.waiting.labels(*labels).set(core.num_waiting if worker.alive else 0)
+            for counter, value in ((self.bytes_sent, t.bytes_sent), (self.bytes_received, t.bytes_received),
+                                   (self.transfer_s, t.transfer_s), (self.hidden_s, t.hidden_s),
+                                   (self.exposed_s, t.exposed_s), (self.reservations, t.reservations),
+                                   (self.refused, t.reservations_refused)):
+                self._inc(counter, labels, value)
+            self._inc(self.transfers, (*labels, "ok"), t.transfers_ok)
+            self._inc(self.transfers, (*labels, "failed"), t.transfers_failed)
+        c = engine.counters
+        waits, c.reserve_wait_s = c.reserve_wait_s, []
+        for wait in waits:
+            self.reserve_wait.labels(m).observe(wait)
+        self._inc(self.retries, (m,), c.retries)
+        self._inc(self.fallbacks, (m,), c.fallbacks)
+        self._inc(self.deaths, (m,), c.worker_deaths)

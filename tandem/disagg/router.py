@@ -1,0 +1,475 @@
+"""The router: the disaggregated deployment's engine client, behind the same HTTP API.
+
+Per engine request (a child, when n > 1) a routing task runs the flow:
+  1. pick a prefill and a decode worker (a WorkerSelector; least loaded for now);
+  2. ask the decode worker to reserve blocks for the prompt -> a TransferHandle (retried while it
+     has no room, up to reserve_timeout);
+  3. send the request to the prefill worker with the handle; it computes the prompt, ships the KV
+     layer by layer and answers with the first token once the KV has landed;
+  4. deliver that token and tell the decode worker to admit the request; its tokens stream back.
+Every wait has a timeout. A failed transfer releases the reservation and the request is retried on
+another pair, or run whole on one worker (colocated) when no pair is left. A worker that stops
+heart-beating, or whose process exits, is dropped: its requests that have not streamed a token are
+retried, the others fail with a clear error, and routing goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.disagg import wire
+from tandem.disagg.metrics import DisaggMetrics
+from tandem.disagg.transport import TransferHandle, TransferResult
+from tandem.disagg.worker import WorkerInfo, WorkerStats
+from tandem.engine.core import EngineCoreOutput
+from tandem.engine.request import Request
+from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
+from tandem.serve.core_proc import CoreStats
+from tandem.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterSettings:
+    bind: str = "tcp://127.0.0.1:0"
+    secret: bytes = b""
+    expected_workers: int = 0  # wait for this many to register before serving
+    startup_timeout: float = 300.0
+    heartbeat_timeout: float = 5.0
+    reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
+    prefill_timeout: float = 300.0
+    max_attempts: int = 2  # disaggregated tries before running the request colocated
+
+
+class WorkerLost(Exception):
+    pass
+
+
+@dataclass
+class WorkerHandle:
+    info: WorkerInfo
+    ident: bytes
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: WorkerStats | None = None
+    alive: bool = True
+    inflight: set[str] = field(default_factory=set)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    @property
+    def load(self) -> float:
+        """Requests assigned and not finished, plus the engine's own queue, as last reported."""
+        queued = self.stats.core.num_waiting if self.stats is not None else 0
+        return len(self.inflight) + queued
+
+
+class WorkerSelector(Protocol):
+    def choose(self, request: Request, prefill: list[WorkerHandle], decode: list[WorkerHandle]
+               ) -> tuple[WorkerHandle | None, WorkerHandle | None]: ...
+
+
+class LeastLoaded:
+    """Fewest requests in flight on each side. Prefix-aware routing replaces this, same signature."""
+
+    def choose(self, request: Request, prefill: list[WorkerHandle], decode: list[WorkerHandle]
+               ) -> tuple[WorkerHandle | None, WorkerHandle | None]:
+        def pick(ws: list[WorkerHandle]) -> WorkerHandle | None:
+            return min(ws, key=lambda w: (w.load, w.worker_id)) if ws else None
+
+        return pick(prefill), pick(decode)
+
+
+@dataclass
+class _Flight:
+    request: Request
+    phase: str = "routing"  # routing -> reserve -> prefill -> decode | colocated
+    prefill: WorkerHandle | None = None
+    decode: WorkerHandle | None = None  # whoever streams the rest of the tokens
+    streamed: bool = False
+    reply: asyncio.Future | None = None
+    task: asyncio.Task | None = None
+
+    def workers(self) -> list[WorkerHandle]:
+        return [w for w in (self.prefill, self.decode) if w is not None]
+
+
+@dataclass
+class RouterCounters:
+    reserve_wait_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    retries: int = 0
+    fallbacks: int = 0
+    worker_deaths: int = 0
+    disaggregated: int = 0
+    colocated: int = 0
+
+
+class DisaggEngine(EngineClient):
+    def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
+                 selector: WorkerSelector | None = None,
+                 launch: Any = None) -> None:  # callable(router_address) -> list[Popen] for local workers
+        super().__init__(tokenizer)
+        self.config = config
+        self.settings = settings
+        self.selector = selector or LeastLoaded()
+        self.launch = launch
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.flights: dict[str, _Flight] = {}
+        self.counters = RouterCounters()
+        self.address = ""
+        self._procs: list[subprocess.Popen] = []
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker raises, not drops
+        self._tasks: list[asyncio.Task] = []
+        self._abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        bind = self.settings.bind
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(bind)
+            self.address = bind
+        log.warning("router listening on %s for workers", self.address)
+        if self.launch is not None:
+            self._procs = list(self.launch(self.address))
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        deadline = time.monotonic() + self.settings.startup_timeout
+        while sum(w.alive for w in self.workers.values()) < self.settings.expected_workers:
+            if any(p.poll() is not None for p in self._procs):
+                codes = [p.poll() for p in self._procs]
+                raise RuntimeError(f"a worker exited during start-up (exit codes {codes})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not register in time")
+            await asyncio.sleep(0.1)
+        if self.info is None and self.settings.expected_workers:
+            raise RuntimeError("no worker registered")
+
+    async def shutdown(self) -> None:
+        for rid in list(self.streams):
+            self._fail(rid, EngineDeadError("server shutting down"))
+        for w in self.workers.values():
+            if w.alive:
+                await self._send(w, "shutdown")
+        for task in self._tasks:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        for p in self._procs:
+            try:
+                await loop.run_in_executor(None, p.wait, 10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        exporter = DisaggMetrics(metrics.registry, metrics.model_name)
+        metrics.collectors.append(lambda: exporter.collect(self))
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and any(w.alive for w in self.workers.values())
+
+    def live(self, role: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
+
+    # -- messaging ----------------------------------------------------------------------------
+    async def _send(self, worker: WorkerHandle, *msg: object) -> bool:
+        try:
+            await self._sock.send_multipart([worker.ident, *wire.sign(self.settings.secret, msg)])
+            return True
+        except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
+            log.warning("cannot reach worker %s: %s", worker.worker_id, e)
+            return False
+
+    async def _read(self) -> None:
+        while True:
+            ident, *frames = await self._sock.recv_multipart()
+            try:
+                msg, _ = wire.verify(self.settings.secret, frames)
+            except wire.AuthError as e:
+                log.warning("dropped a message from %r: %s", ident, e)
+                continue
+            try:
+                await self._on_message(ident, msg)
+            except Exception:
+                log.exception("router failed to handle %s", msg[0])
+
+    async def _on_message(self, ident: bytes, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "register":
+            self._register(ident, msg[1])
+            return
+        worker = self.workers.get(ident)
+        if worker is None or not worker.alive:
+            # A worker we dropped (or a router restart): ask it to introduce itself again.
+            await self._sock.send_multipart([ident, *wire.sign(self.settings.secret, ("hello",))])
+            return
+        worker.last_seen = time.monotonic()
+        if kind == "outputs":
+            _, outputs, worker.stats = msg
+            self._refresh_stats()
+            if outputs:
+                await self._deliver_outputs(outputs)
+        elif kind in ("reserved", "reserve_failed", "prefilled", "transfer_failed"):
+            flight = self.flights.get(msg[1])
+            if flight is not None and flight.reply is not None and not flight.reply.done():
+                flight.reply.set_result(msg)
+        elif kind == "aborted":
+            for rid in msg[1]:
+                ack = self._abort_acks.get(rid)
+                if ack is not None and not ack[0].done():
+                    ack[0].set_result(None)
+        elif kind == "failed":
+            _, child_ids, message = msg
+            for rid in child_ids:
+                self._drop_flight(rid)
+            self._fail_children(child_ids, EngineRequestError(message))
+
+    def _register(self, ident: bytes, info: WorkerInfo) -> None:
+        old = self.workers.get(ident)
+        if old is not None and old.alive:
+            old.info = info
+            return
+        worker = WorkerHandle(info, ident)
+        for p in self._procs:
+            if p.pid == info.pid:
+                worker.proc = p
+        self.workers[ident] = worker
+        if self.info is None:
+            self.info = info.core
+            sched = self.config.scheduler
+            self._make_inputs(sched.max_num_batched_tokens, sched.enable_chunked_prefill)
+        log.warning("worker %s (%s, pid %d on %s, cores %s) joined", info.worker_id, info.role, info.pid, info.host,
+                    info.cores)
+
+    def _refresh_stats(self) -> None:
+        parts = [w.stats.core for w in self.live() if w.stats is not None]
+        if not parts:
+            return
+        blocks = sum(s.num_blocks for s in parts)
+        used = sum(s.num_used_blocks for s in parts)
+        self.stats = CoreStats(
+            sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
+            used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
+                "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
+            time.monotonic())
+
+    async def _deliver_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            flight = self.flights.get(out.request_id)
+            if flight is not None:
+                flight.streamed = True
+                if out.finished:
+                    self._drop_flight(out.request_id)
+        stopped = self._deliver(outputs)
+        if stopped:
+            await self._abort_in_engine(stopped)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _submit(self, requests: list[Request]) -> None:
+        for request in requests:
+            flight = _Flight(request)
+            self.flights[request.request_id] = flight
+            flight.task = asyncio.get_running_loop().create_task(self._route(flight))
+
+    async def _abort_in_engine(self, child_ids: list[str]) -> None:
+        for rid in child_ids:
+            flight = self._drop_flight(rid)
+            if flight is None:
+                continue
+            if flight.task is not None and flight.task is not asyncio.current_task():
+                flight.task.cancel()
+            task = asyncio.get_running_loop().create_task(self._stop(rid, flight.prefill, flight.decode))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _drop_flight(self, rid: str) -> _Flight | None:
+        flight = self.flights.pop(rid, None)
+        if flight is not None:
+            for w in flight.workers():
+                w.inflight.discard(rid)
+        return flight
+
+    def _assign(self, flight: _Flight, prefill: WorkerHandle | None, decode: WorkerHandle | None) -> None:
+        for w in flight.workers():
+            w.inflight.discard(flight.request.request_id)
+        flight.prefill, flight.decode = prefill, decode
+        for w in flight.workers():
+            w.inflight.add(flight.request.request_id)
+
+    async def _ask(self, flight: _Flight, worker: WorkerHandle, timeout: float, *msg: object) -> tuple:
+        """Send msg and wait for the worker's reply about this request."""
+        flight.reply = asyncio.get_running_loop().create_future()
+        if not await self._send(worker, *msg):
+            raise WorkerLost(f"worker {worker.worker_id} is unreachable")
+        try:
+            return await asyncio.wait_for(flight.reply, timeout)
+        finally:
+            flight.reply = None
+
+    async def _route(self, flight: _Flight) -> None:
+        rid = flight.request.request_id
+        try:
+            for attempt in range(self.settings.max_attempts):
+                if attempt:
+                    self.counters.retries += 1
+                prefill, decode = self.selector.choose(flight.request, self.live("prefill"), self.live("decode"))
+                if prefill is None or decode is None:
+                    break
+                try:
+                    if await self._run_disaggregated(flight, prefill, decode):
+                        return
+                except (WorkerLost, TimeoutError) as e:
+                    log.warning("request %s: %s; retrying", rid, e or type(e).__name__)
+                await self._release(flight)
+            await self._run_colocated(flight)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("routing request %s failed", rid)
+            self._drop_flight(rid)
+            self._fail_children([rid], EngineRequestError(f"routing failed: {type(e).__name__}: {e}"))
+
+    async def _run_disaggregated(self, flight: _Flight, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
+        """True when the request is decoding (or done); False to try something else."""
+        rid = flight.request.request_id
+        self._assign(flight, prefill, decode)
+        flight.phase = "reserve"
+        t0 = time.monotonic()
+        while True:
+            reply = await self._ask(flight, decode, self.settings.reserve_timeout, "reserve", flight.request)
+            if reply[0] == "reserved":
+                break
+            if time.monotonic() - t0 > self.settings.reserve_timeout:
+                log.warning("request %s: decode worker %s had no room for %.1f s", rid, decode.worker_id,
+                            self.settings.reserve_timeout)
+                self._assign(flight, None, None)
+                return False
+            await asyncio.sleep(0.05)  # blocks free up as other requests finish
+        self.counters.reserve_wait_s.append(time.monotonic() - t0)
+        handle: TransferHandle = reply[2]
+        flight.phase = "prefill"
+        reply = await self._ask(flight, prefill, self.settings.prefill_timeout, "prefill",
+                                replace(flight.request, kv_transfer=handle))
+        if reply[0] == "transfer_failed":
+            log.warning("request %s: KV transfer %s -> %s failed: %s", rid, prefill.worker_id, decode.worker_id,
+                        reply[2])
+            return False
+        _, _, first, generator_state, _result = reply
+        first: EngineCoreOutput
+        result: TransferResult | None = _result
+        del result
+        self.counters.disaggregated += 1
+        self._assign(flight, None, decode)
+        if first.finished:  # the first token ended it: the reservation is not needed
+            await self._send(decode, "abort", [rid])
+        else:
+            flight.phase = "decode"
+            await self._send(decode, "admit", rid, first.new_token_ids[0], generator_state)
+        await self._deliver_outputs([first])
+        return True
+
+    async def _release(self, flight: _Flight) -> None:
+        """Undo a failed attempt before the next one (which reuses the request id)."""
+        prefill, decode = flight.prefill, flight.decode
+        self._assign(flight, None, None)
+        await self._stop(flight.request.request_id, prefill, decode)
+
+    async def _stop(self, rid: str, prefill: WorkerHandle | None, decode: WorkerHandle | None) -> None:
+        """Abort on both sides. The decode worker's reserved blocks go back to its pool only after
+        the prefill worker confirms it stopped, so no late write can land in blocks that were
+        already given to another request."""
+        if prefill is not None and prefill.alive:
+            ack = asyncio.get_running_loop().create_future()
+            self._abort_acks[rid] = (ack, prefill)
+            try:
+                if await self._send(prefill, "abort", [rid]):
+                    await asyncio.wait_for(ack, self.settings.heartbeat_timeout)
+            except (TimeoutError, WorkerLost):
+                pass  # not confirmed: the worker is dead or about to be declared so
+            finally:
+                self._abort_acks.pop(rid, None)
+        if decode is not None and decode is not prefill and decode.alive:
+            await self._send(decode, "abort", [rid])
+
+    async def _run_colocated(self, flight: _Flight) -> None:
+        candidates = self.live("decode") or self.live()
+        if not candidates:
+            raise EngineDeadError("no live worker to serve the request")
+        worker = min(candidates, key=lambda w: (w.load, w.worker_id))
+        self.counters.fallbacks += 1 if self.live("prefill") and self.live("decode") else 0
+        self.counters.colocated += 1
+        self._assign(flight, None, worker)
+        flight.phase = "colocated"
+        # A fresh copy: the request object may have been sent before and must start clean.
+        if not await self._send(worker, "add", [replace(flight.request, kv_transfer=None)]):
+            raise WorkerLost(f"worker {worker.worker_id} is unreachable")
+
+    # -- failure detection --------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if not w.alive:
+                    continue
+                exited = w.proc is not None and w.proc.poll() is not None
+                silent = now - w.last_seen > self.settings.heartbeat_timeout
+                if exited or silent:
+                    reason = (f"worker {w.worker_id} exited (code {w.proc.poll()})" if exited and w.proc
+                              else f"worker {w.worker_id} stopped responding")
+                    await self._on_worker_death(w, reason)
+
+    async def _on_worker_death(self, worker: WorkerHandle, reason: str) -> None:
+        log.error("%s; serving on with the rest", reason)
+        worker.alive = False
+        self.counters.worker_deaths += 1
+        for rid in list(worker.inflight):
+            flight = self.flights.get(rid)
+            if flight is None:
+                continue
+            if flight.reply is not None and not flight.reply.done():
+                flight.reply.set_exception(WorkerLost(reason))  # the routing task retries
+            elif flight.phase in ("decode", "colocated") and not flight.streamed:
+                # Nothing reached the client yet: run it again elsewhere.
+                self._assign(flight, None, None)
+                flight.task = asyncio.get_running_loop().create_task(self._route(flight))
+            elif flight.phase in ("decode", "colocated"):
+                self._drop_flight(rid)
+                self._fail_children([rid], EngineRequestError(f"{reason} while serving this request"))
+        worker.inflight.clear()
+        for ack, prefill in list(self._abort_acks.values()):
+            if prefill is worker and not ack.done():
+                ack.set_exception(WorkerLost(reason))  # a dead worker writes nothing more
+        for other in self.live():
+            if worker.info.kv_endpoint is not None:
+                await self._send(other, "forget", worker.info.kv_endpoint.address)
+        if not self.live():
+            self.dead = f"no live workers ({reason})"
+            for rid in list(self.streams):
+                self._fail(rid, EngineDeadError(self.dead))
+        with contextlib.suppress(Exception):
+            self._refresh_stats()

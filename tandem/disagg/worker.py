@@ -1,0 +1,263 @@
+"""A prefill or decode worker: one engine core behind a DEALER socket connected to the router.
+
+Every worker is a full engine (the router can run a whole request on any of them, which is how it
+falls back when a transfer fails); the role decides what else it does:
+  prefill: runs requests that carry a TransferHandle, ships their KV layer by layer as it computes,
+           and reports the first token once the transfer has landed;
+  decode:  owns the pool the KV lands in; reserves blocks for a prompt, admits it when told its
+           KV is in place, and decodes.
+
+Router -> worker (signed, see wire.py):
+  ("add", [Request]) ("abort", [request_id]) ("reserve", Request) ("prefill", Request)
+  ("admit", request_id, first_token, generator_state) ("forget", kv_address) ("shutdown",) ("hello",)
+Worker -> router:
+  ("register", WorkerInfo) ("outputs", [EngineCoreOutput], WorkerStats)
+  ("reserved", request_id, TransferHandle) ("reserve_failed", request_id, reason)
+  ("prefilled", request_id, EngineCoreOutput, generator_state, TransferResult | None)
+  ("transfer_failed", request_id, reason) ("failed", [request_id], reason) ("aborted", [request_id])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.disagg import wire
+from tandem.disagg.connector import LayerwiseKVSend
+from tandem.disagg.transport import KVEndpoint, KVReceiver, RoutingSender, TransferHandle, TransferStats, make_receiver
+from tandem.engine.request import Request, RequestStatus
+from tandem.serve.core_proc import IDLE_POLL_MS, CoreInfo, CoreStats, core_info, core_stats
+
+log = logging.getLogger(__name__)
+
+RESERVATION_TTL_S = 120.0  # a reservation nobody admitted or released by then is taken back
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    core: CoreInfo
+    kv_endpoint: KVEndpoint | None
+    host: str
+    pid: int
+    cores: list[int] | None
+
+
+@dataclass
+class WorkerStats:
+    core: CoreStats
+    transfer: TransferStats
+
+
+def pin_cores(cores: list[int] | None) -> int:
+    """Pin this process to cores (when given) and return how many threads to run."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+        return len(cores)
+    return len(os.sched_getaffinity(0))
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
+                 cores: list[int] | None, kv_transport: str, kv_host: str) -> None:
+        from tandem.engine.core import EngineCore
+        from tandem.model.loader import load_model
+
+        self.role, self.secret, self.worker_id, self.cores = role, secret, worker_id, cores
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(router_addr)
+        self.receiver: KVReceiver | None = None
+        if role == "decode":
+            self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
+        loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        self.core = EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None)
+        self.info = core_info(self.core, loaded)
+        self.sender = RoutingSender(secret)
+        self.kv_send = LayerwiseKVSend(self.sender, config.cache.block_size)
+        self.core.runner.layer_hook = self.kv_send
+        self.transfer = TransferStats()
+        self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
+        self.landing: dict[str, tuple] = {}  # sampled, KV in flight: request id -> (output, generator state)
+        self.reserved_at: dict[str, float] = {}
+
+    def send(self, *msg: object) -> None:
+        self.sock.send_multipart(wire.sign(self.secret, msg))
+
+    def register(self) -> None:
+        self.send("register", WorkerInfo(self.worker_id, self.role, self.info,
+                                         self.receiver.endpoint if self.receiver else None, socket.gethostname(),
+                                         os.getpid(), self.cores))
+
+    def stats(self) -> WorkerStats:
+        s = WorkerStats(core_stats(self.core), self.transfer)
+        if self.receiver is not None:
+            self.transfer.bytes_received = self.receiver.bytes_received
+        self.transfer = TransferStats(**{**self.transfer.__dict__, "recent": []})
+        return s
+
+    # -- messages -----------------------------------------------------------------------------
+    def handle(self, msg: tuple) -> bool:
+        kind = msg[0]
+        if kind == "shutdown":
+            return False
+        if kind == "add":
+            for request in msg[1]:
+                self.core.add_request(request)
+        elif kind == "abort":
+            self.abort(msg[1])
+            self.send("aborted", msg[1])  # the router frees the matching reservations only after this
+        elif kind == "forget":
+            self.sender.forget(msg[1])
+        elif kind == "reserve":
+            self.reserve(msg[1])
+        elif kind == "prefill":
+            request: Request = msg[1]
+            self.prefills[request.request_id] = request
+            self.core.add_request(request)
+        elif kind == "admit":
+            _, rid, first_token, generator_state = msg
+            if self.receiver is not None:
+                self.receiver.close(rid)  # no write may land once decoding reads these blocks
+            self.reserved_at.pop(rid, None)
+            if not self.core.scheduler.admit_remote(rid, first_token, generator_state):
+                self.send("failed", [rid], "the decode worker no longer holds this request's KV")
+        elif kind == "hello":
+            self.register()
+        return True
+
+    def reserve(self, request: Request) -> None:
+        rid = request.request_id
+        try:
+            reserved = self.core.scheduler.reserve_remote(request)
+        except ValueError as e:
+            self.send("reserve_failed", rid, str(e))
+            return
+        if reserved is None or self.receiver is None:
+            self.transfer.reservations_refused += 1
+            self.send("reserve_failed", rid, "no free KV blocks")
+            return
+        block_ids, num_cached_tokens = reserved
+        self.receiver.open(rid, block_ids)
+        self.reserved_at[rid] = time.monotonic()
+        self.transfer.reservations += 1
+        handle = TransferHandle(rid, block_ids, num_cached_tokens // self.core.config.cache.block_size,
+                                self.receiver.endpoint, self.worker_id)
+        self.send("reserved", rid, handle)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self.receiver is not None:
+                self.receiver.close(rid)  # before the blocks go back to the pool
+            self.reserved_at.pop(rid, None)
+            if self.prefills.pop(rid, None) is not None:
+                self.kv_send.abort(rid)
+            self.landing.pop(rid, None)
+        self.core.abort(request_ids)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            log.error("engine step failed: %s", traceback.format_exc())
+            failed = list(self.core.scheduler.requests)
+            self.abort(failed)
+            self.send("failed", failed, f"engine error: {type(e).__name__}: {e}")
+            return
+        plain = []
+        for out in outputs:
+            request = self.prefills.get(out.request_id)
+            if request is None:
+                plain.append(out)
+                continue
+            del self.prefills[out.request_id]
+            if request.status == RequestStatus.FINISHED_TRANSFERRED:
+                state = request.generator.get_state() if request.generator is not None else None
+                self.landing[out.request_id] = (out, state)
+                self.kv_send.finish(request.kv_transfer)
+            else:  # finished on its first token (a stop, or max_tokens 1): nothing to decode
+                self.kv_send.abort(out.request_id)
+                self.send("prefilled", out.request_id, out, None, None)
+        if plain or not outputs:
+            self.send("outputs", plain, self.stats())
+
+    def collect_transfers(self) -> None:
+        for result in self.sender.poll():
+            self.transfer.add(result)
+            landed = self.landing.pop(result.request_id, None)
+            if landed is None:
+                continue  # aborted meanwhile
+            if result.ok:
+                self.send("prefilled", result.request_id, landed[0], landed[1], result)
+            else:
+                self.send("transfer_failed", result.request_id, result.error)
+
+    def expire_reservations(self) -> None:
+        now = time.monotonic()
+        stale = [rid for rid, t in self.reserved_at.items() if now - t > RESERVATION_TTL_S]
+        if stale:
+            log.warning("taking back %d reservations nobody admitted", len(stale))
+            self.abort(stale)
+
+    def run(self) -> None:
+        self.register()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_beat = 0.0
+        while True:
+            busy = self.core.has_unfinished() or bool(self.landing)
+            events = dict(poller.poll(0 if self.core.has_unfinished() else (5 if self.landing else IDLE_POLL_MS)))
+            while events.get(self.sock):
+                try:
+                    msg, _ = wire.verify(self.secret, self.sock.recv_multipart())
+                except wire.AuthError as e:
+                    log.warning("dropped a message from the router: %s", e)
+                else:
+                    if not self.handle(msg):
+                        return
+                events = dict(poller.poll(0))
+            if self.core.has_unfinished():
+                self.step()
+            self.collect_transfers()
+            now = time.monotonic()
+            if not busy and now - last_beat >= IDLE_POLL_MS / 1000:
+                self.send("outputs", [], self.stats())  # heartbeat with fresh stats
+                last_beat = now
+            self.expire_reservations()
+
+    def close(self) -> None:
+        self.abort(list(self.core.scheduler.requests))
+        self.sender.close()
+        if self.receiver is not None:
+            self.receiver.shutdown()
+        self.sock.close(linger=500)
+
+
+def _exit_cleanly(*_: object) -> None:
+    raise SystemExit(0)
+
+
+def run_worker(config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
+               cores: list[int] | None, kv_transport: str, kv_host: str) -> int:
+    num_cores = pin_cores(cores)
+    if cores:  # a worker pinned to n cores runs n threads: more would only fight over them
+        config.parallel.num_threads = num_cores
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    worker = Worker(config, role, router_addr, secret, worker_id, cores, kv_transport, kv_host)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return 0

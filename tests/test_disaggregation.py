@@ -1,0 +1,238 @@
+"""Prefill/decode disaggregation end to end: a router and real worker processes over real sockets.
+
+Greedy float32 outputs of a 1P1D deployment equal the colocated server's, with prefix caching and
+chunked prefill on; killing a worker mid-stream fails its clients fast and leaves the rest serving;
+abort storms leave no block allocated on any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import Server, running_server
+
+pytestmark = pytest.mark.slow
+
+# A small token budget forces chunked prefill (and so multi-step, layer-wise transfers).
+COMMON = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "64")
+DISAGG = ("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1")
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include the given ones."""
+    total, found = 0.0, False
+    for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines():
+        if not line.startswith(f"tandem:{name}"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if series.split("{")[0] not in (f"tandem:{name}", f"tandem:{name}_total"):  # counters end in _total
+            continue
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
+def wait_blocks_free(server: Server, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _used_on_live_workers(server) == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"blocks still allocated on live workers: {_used_on_live_workers(server)}")
+
+
+def _used_on_live_workers(server: Server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    up = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+          for line in text.splitlines() if line.startswith("tandem:worker_up{")}
+    used = 0.0
+    for line in text.splitlines():
+        if line.startswith("tandem:worker_kv_cache_used_blocks{"):
+            labels = line.split("{")[1].split("}")[0]
+            if up.get(labels, 0) == 1:
+                used += float(line.rsplit(" ", 1)[1])
+    return used
+
+
+def worker_pid(server: Server, worker_id: str) -> int:
+    out = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", f"worker-id {worker_id}"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert len(out) == 1, out
+    return int(out[0])
+
+
+def prompts(passages: list[str]) -> list[str]:
+    long = " ".join(passages)[:2500]  # several hundred tokens: many chunks and blocks
+    return [
+        "Hi",
+        "The capital of France is",
+        "List the planets of the solar system in order:",
+        long,
+        long + " To sum up,",  # shares the long prefix: prefix-cache hits on both sides
+        passages[0],
+    ]
+
+
+def run_all(server: Server, texts: list[str], max_tokens: int = 24, **extra: object) -> list[tuple[str, str]]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    async def one(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, str]:
+        r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **{"temperature": 0, **extra})
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    async def main() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+            return list(await asyncio.gather(*(one(c, p) for p in texts)))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def colocated_outputs(passages: list[str]) -> dict[str, list]:
+    with running_server(*COMMON) as s:
+        texts = prompts(passages)
+        return {
+            "greedy": run_all(s, texts),
+            "again": run_all(s, texts),
+            "seeded": run_all(s, texts[:3], temperature=0.9, seed=1234),
+        }
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: dict, passages: list[str]) -> None:
+    with running_server(*COMMON, *DISAGG, "--kv-transport", transport) as s:
+        texts = prompts(passages)
+        assert run_all(s, texts) == colocated_outputs["greedy"]
+        sent_first = metric(s, "kv_transfer_sent_bytes")
+        # The second round hits the decode worker's prefix cache: those blocks are not sent again.
+        assert run_all(s, texts) == colocated_outputs["again"]
+        sent_second = metric(s, "kv_transfer_sent_bytes") - sent_first
+        assert 0 < sent_second < sent_first
+        # Seeded sampling continues the prefill worker's random stream on the decode worker.
+        seeded = run_all(s, texts[:3], temperature=0.9, seed=1234)
+        assert seeded == colocated_outputs["seeded"]
+        assert metric(s, "kv_transfers", outcome="ok") == 2 * len(texts) + 3
+        assert metric(s, "router_colocated_fallbacks") == 0
+        assert metric(s, "prefix_cache_hits") > 0
+        if transport == "zmq":
+            assert metric(s, "kv_transfer_received_bytes") == metric(s, "kv_transfer_sent_bytes")
+        wait_blocks_free(s)
+
+
+def test_streaming_through_the_router_equals_non_streaming() -> None:
+    with running_server(*COMMON, *DISAGG) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Name three colours."}]
+        full = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
+        chunks = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full.choices[0].message.content
+        # The same errors as the colocated server.
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        wait_blocks_free(s)
+
+
+def _stream_until_error(url: str, model: str, result: dict, key: int) -> None:
+    """Stream a long generation; record when it ended and whether with an error."""
+    body = {"model": model, "prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t_first = None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if t_first is None and line.startswith("data: {"):
+                    t_first = time.monotonic()
+                if '"error"' in line:
+                    result[key] = ("error", time.monotonic())
+                    return
+        result[key] = ("done", time.monotonic())
+    except httpx.HTTPError:
+        result[key] = ("error", time.monotonic())
+
+
+@pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
+def test_kill_a_worker_mid_stream(victim: str) -> None:
+    import threading
+
+    with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
+        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+        results: dict[int, tuple[str, float]] = {}
+        threads = [threading.Thread(target=_stream_until_error, args=(s.url, model, results, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(4)  # streams are decoding by now
+        os.kill(worker_pid(s, victim), signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(90)
+        assert len(results) == 3
+        if victim == "decode-0":
+            # Every stream lived on the decode worker: each gets an error, within seconds.
+            for outcome, when in results.values():
+                assert outcome == "error" and when - killed < 10
+        else:
+            # Their prompts were done: the decode worker carries on, untouched.
+            assert all(outcome == "done" for outcome, _ in results.values())
+        # New requests are still served, by the survivor (colocated, since the pair is broken).
+        out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
+                                                          "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert out.status_code == 200 and out.json()["choices"][0]["text"]
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert metric(s, "worker_up", worker=victim) == 0
+        wait_blocks_free(s)
+
+
+def test_kill_prefill_worker_while_prompts_are_in_flight(passages: list[str]) -> None:
+    """Requests caught mid-prefill have streamed nothing: they are retried on the survivor."""
+    with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
+        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+        long = " ".join(passages)[:3000]
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(c.post(f"{s.url}/v1/completions", json={
+                    "model": model, "prompt": f"{i} {long}", "max_tokens": 4, "temperature": 0})) for i in range(3)]
+                await asyncio.sleep(1.5)  # prompts of ~700 tokens in 64-token chunks: still prefilling
+                os.kill(worker_pid(s, "prefill-0"), signal.SIGKILL)
+                return [(await t).status_code for t in tasks]
+
+        assert asyncio.run(main()) == [200, 200, 200]
+        assert metric(s, "router_worker_deaths") == 1
+        wait_blocks_free(s)
+
+
+def test_abort_storm_leaves_no_blocks(passages: list[str]) -> None:
+    with running_server(*COMMON, *DISAGG) as s:
+        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+        long = " ".join(passages)[:2000]
+
+        async def one(c: httpx.AsyncClient, i: int) -> None:
+            body = {"model": model, "prompt": f"{i} {long if i % 2 else 'Tell me a story.'}", "max_tokens": 64,
+                    "temperature": 0, "stream": i % 3 == 0}
+            # Cut at every phase: while routing, mid-prefill/transfer, and mid-decode.
+            with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                await asyncio.wait_for(c.post(f"{s.url}/v1/completions", json=body), timeout=0.05 + 0.25 * (i % 8))
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as c:
+                await asyncio.gather(*(one(c, i) for i in range(24)))
+
+        asyncio.run(main())
+        wait_blocks_free(s, timeout=30)
+        # And it still serves.
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
