@@ -29,7 +29,7 @@ import zmq.asyncio
 from tandem.config import EngineConfig
 from tandem.disagg import wire
 from tandem.disagg.metrics import DisaggMetrics
-from tandem.disagg.transport import TransferHandle, TransferResult
+from tandem.disagg.transport import TransferHandle
 from tandem.disagg.worker import WorkerInfo, WorkerStats
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.request import Request
@@ -142,6 +142,7 @@ class DisaggEngine(EngineClient):
         self._tasks: list[asyncio.Task] = []
         self._abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
         self._background: set[asyncio.Task] = set()
+        self._refused: set[bytes] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,7 +211,9 @@ class DisaggEngine(EngineClient):
             try:
                 msg, _ = wire.verify(self.settings.secret, frames)
             except wire.AuthError as e:
-                log.warning("dropped a message from %r: %s", ident, e)
+                if ident not in self._refused:  # once per peer: an intruder heart-beats 10 times a second
+                    self._refused.add(ident)
+                    log.warning("refusing messages from %r: %s", ident, e)
                 continue
             try:
                 await self._on_message(ident, msg)
@@ -378,10 +381,8 @@ class DisaggEngine(EngineClient):
             log.warning("request %s: KV transfer %s -> %s failed: %s", rid, prefill.worker_id, decode.worker_id,
                         reply[2])
             return False
-        _, _, first, generator_state, _result = reply
-        first: EngineCoreOutput
-        result: TransferResult | None = _result
-        del result
+        first: EngineCoreOutput = reply[2]
+        generator_state = reply[3]
         self.counters.disaggregated += 1
         self._assign(flight, None, decode)
         if first.finished:  # the first token ended it: the reservation is not needed

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -199,7 +199,6 @@ class TransferStats:
     exposed_s: float = 0.0
     reservations: int = 0
     reservations_refused: int = 0
-    recent: list[float] = field(default_factory=list)  # transfer windows since the last heartbeat
 
     def add(self, r: TransferResult) -> None:
         if r.ok:
@@ -208,7 +207,6 @@ class TransferStats:
             self.transfer_s += r.window_s
             self.hidden_s += r.hidden_s
             self.exposed_s += r.copy_s + r.wait_s
-            self.recent.append(r.window_s)
         else:
             self.transfers_failed += 1
 

@@ -25,7 +25,7 @@ import signal
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -101,11 +101,9 @@ class Worker:
                                          os.getpid(), self.cores))
 
     def stats(self) -> WorkerStats:
-        s = WorkerStats(core_stats(self.core), self.transfer)
         if self.receiver is not None:
             self.transfer.bytes_received = self.receiver.bytes_received
-        self.transfer = TransferStats(**{**self.transfer.__dict__, "recent": []})
-        return s
+        return WorkerStats(core_stats(self.core), replace(self.transfer))
 
     # -- messages -----------------------------------------------------------------------------
     def handle(self, msg: tuple) -> bool:
