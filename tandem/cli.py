@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -22,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=SchedulerConfig.long_prefill_token_threshold,
+                   help="at most this many prompt tokens of one request per step (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -43,7 +46,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                 block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads)
 
@@ -122,8 +126,9 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
     launch = None
     if args.prefill_workers or args.decode_workers:
+        role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
-                                args.kv_transport, secret, args.log_level.upper())
+                                role_argv, args.kv_transport, secret, args.log_level.upper())
     settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
                               expected_workers=args.prefill_workers + args.decode_workers,
                               heartbeat_timeout=args.worker_heartbeat_timeout)
@@ -140,7 +145,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     cores = parse_cores(args.cores) if args.cores else None
     return run_worker(config, args.role, args.router, secret_from_env(), worker_id, cores, args.kv_transport,
-                      args.kv_host)
+                      args.kv_host, args.parent_pid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     dis.add_argument("--worker-cores", nargs="+", default=None, metavar="CORES",
                      help="cores of each local worker, prefill workers first (e.g. 0 1, or 0-1 2-3); "
                      "default one core each, round-robin")
+    dis.add_argument("--prefill-worker-args", default="", metavar="FLAGS",
+                     help="engine flags for prefill workers only, e.g. \"--max-num-batched-tokens 4096\"")
+    dis.add_argument("--decode-worker-args", default="", metavar="FLAGS",
+                     help="engine flags for decode workers only, e.g. \"--max-num-seqs 256\"")
     dis.add_argument("--kv-transport", default="shm", choices=["shm", "zmq"],
                      help="how local decode workers receive KV: shared memory or ZeroMQ/TCP")
     dis.add_argument("--router-bind", default=None,
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     wrk.add_argument("--kv-transport", default="zmq", choices=["shm", "zmq"],
                      help="decode workers: receive KV by shared memory (same host only) or ZeroMQ/TCP")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode workers: address the KV receiver binds")
+    wrk.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # exit when it exits
     wrk.set_defaults(func=cmd_worker)
 
     from tandem.bench.cli import add_bench_parser

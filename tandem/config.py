@@ -55,6 +55,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024  # the per-step token budget shared by prefill chunks and decodes
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # A prompt gets at most this many tokens per step (0: no cap), so that short prompts share steps
+    # with a long one instead of queueing behind it (vLLM's name; chunked prefill must be on).
+    long_prefill_token_threshold: int = 0
     # Speculative decoding reserves room for this many extra tokens per running request per step.
     num_lookahead_tokens: int = 0
 
@@ -98,6 +101,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.scheduler.max_num_batched_tokens < 1 or self.scheduler.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.scheduler.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
         if self.cache.prefix_caching_hash_algo not in ("builtin", "sha256"):
             raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
         if self.parallel.num_threads < 1:

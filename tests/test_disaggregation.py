@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -236,3 +237,55 @@ def test_abort_storm_leaves_no_blocks(passages: list[str]) -> None:
         # And it still serves.
         r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
+
+
+def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
+    from server_utils import free_port
+
+    from tandem.disagg.wire import SECRET_ENV
+
+    port = free_port()
+    router = f"tcp://127.0.0.1:{port}"
+    server = Server([*COMMON, "--router-bind", router], env={SECRET_ENV: "the-secret"})
+    workers: list[subprocess.Popen] = []
+
+    def worker(role: str, secret: str, worker_id: str, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "tandem.cli", "worker", "--role", role, "--router", router, "--worker-id",
+               worker_id, *COMMON, *extra]
+        workers.append(subprocess.Popen(cmd, env={**os.environ, SECRET_ENV: secret}, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
+
+    try:
+        # The router serves once a worker has joined; the intruder, lacking the secret, never does.
+        worker("decode", "a-guess", "intruder")
+        worker("prefill", "the-secret", "p0", "--cores", "0")
+        worker("decode", "the-secret", "d0", "--cores", "1", "--kv-transport", "zmq")
+        server.wait_ready()
+        deadline = time.monotonic() + 180
+        while metric_or_zero(server, "worker_up") < 2:
+            assert time.monotonic() < deadline, "workers did not join"
+            time.sleep(0.5)
+        time.sleep(2)  # the intruder has loaded and is knocking by now
+        assert workers[0].poll() is None
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'worker="intruder"' not in text and 'worker="d0"' in text and 'worker="p0"' in text
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                             "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        assert metric(server, "kv_transfers", outcome="ok") == 1
+        assert metric(server, "kv_transfer_received_bytes") == metric(server, "kv_transfer_sent_bytes") > 0
+    finally:
+        server.stop()
+        for w in workers:
+            w.terminate()
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+
+
+def metric_or_zero(server: Server, name: str) -> float:
+    try:
+        return metric(server, name)
+    except (KeyError, httpx.HTTPError):
+        return 0.0

@@ -34,7 +34,10 @@ def assign_cores(num_workers: int, specs: list[str] | None) -> list[list[int]]:
 
 
 def local_launcher(num_prefill: int, num_decode: int, core_specs: list[str] | None, engine_argv: list[str],
-                   kv_transport: str, secret: bytes, log_level: str) -> Callable[[str], list[subprocess.Popen]]:
+                   role_argv: dict[str, list[str]], kv_transport: str, secret: bytes, log_level: str
+                   ) -> Callable[[str], list[subprocess.Popen]]:
+    """engine_argv goes to every worker, then role_argv[role] (later flags win: each pool tuned for
+    its phase, e.g. a larger token budget for prefill workers)."""
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     cores = assign_cores(len(roles), core_specs)
 
@@ -47,7 +50,8 @@ def local_launcher(num_prefill: int, num_decode: int, core_specs: list[str] | No
             counts[role] += 1
             argv = [sys.executable, "-m", "tandem.cli", "--log-level", log_level, "worker", "--role", role,
                     "--router", router_address, "--worker-id", worker_id, "--cores", ",".join(map(str, core_set)),
-                    "--kv-transport", kv_transport, *engine_argv]
+                    "--kv-transport", kv_transport, "--parent-pid", str(os.getpid()), *engine_argv,
+                    *role_argv.get(role, [])]
             procs.append(subprocess.Popen(argv, env=env))
         return procs
 

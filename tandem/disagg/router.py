@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class RouterSettings:
     bind: str = "tcp://127.0.0.1:0"
     secret: bytes = b""
-    expected_workers: int = 0  # wait for this many to register before serving
+    expected_workers: int = 0  # wait for this many (and at least one) to register before serving
     startup_timeout: float = 300.0
     heartbeat_timeout: float = 5.0
     reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
@@ -157,16 +157,23 @@ class DisaggEngine(EngineClient):
         if self.launch is not None:
             self._procs = list(self.launch(self.address))
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        try:
+            await self._wait_for_workers()
+        except BaseException:
+            for p in self._procs:  # leave no orphan behind a failed start
+                p.kill()
+            raise
+
+    async def _wait_for_workers(self) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout
-        while sum(w.alive for w in self.workers.values()) < self.settings.expected_workers:
+        # At least one: the API needs a worker's model limits before it can validate anything.
+        while sum(w.alive for w in self.workers.values()) < max(self.settings.expected_workers, 1):
             if any(p.poll() is not None for p in self._procs):
                 codes = [p.poll() for p in self._procs]
                 raise RuntimeError(f"a worker exited during start-up (exit codes {codes})")
             if time.monotonic() > deadline:
                 raise RuntimeError("workers did not register in time")
             await asyncio.sleep(0.1)
-        if self.info is None and self.settings.expected_workers:
-            raise RuntimeError("no worker registered")
 
     async def shutdown(self) -> None:
         for rid in list(self.streams):

@@ -91,6 +91,7 @@ class Worker:
         self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
         self.landing: dict[str, tuple] = {}  # sampled, KV in flight: request id -> (output, generator state)
         self.reserved_at: dict[str, float] = {}
+        self.parent_pid: int | None = None  # a worker the router started goes when the router goes
 
     def send(self, *msg: object) -> None:
         self.sock.send_multipart(wire.sign(self.secret, msg))
@@ -233,6 +234,9 @@ class Worker:
             if not busy and now - last_beat >= IDLE_POLL_MS / 1000:
                 self.send("outputs", [], self.stats())  # heartbeat with fresh stats
                 last_beat = now
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    log.error("the router that started this worker is gone; exiting")
+                    return
             self.expire_reservations()
 
     def close(self) -> None:
@@ -248,12 +252,13 @@ def _exit_cleanly(*_: object) -> None:
 
 
 def run_worker(config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
-               cores: list[int] | None, kv_transport: str, kv_host: str) -> int:
+               cores: list[int] | None, kv_transport: str, kv_host: str, parent_pid: int | None = None) -> int:
     num_cores = pin_cores(cores)
     if cores:  # a worker pinned to n cores runs n threads: more would only fight over them
         config.parallel.num_threads = num_cores
     signal.signal(signal.SIGTERM, _exit_cleanly)
     worker = Worker(config, role, router_addr, secret, worker_id, cores, kv_transport, kv_host)
+    worker.parent_pid = parent_pid
     try:
         worker.run()
     finally:

@@ -64,6 +64,8 @@ class Scheduler:
         self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        threshold = scheduler_config.long_prefill_token_threshold
+        self._chunk_cap = threshold if threshold > 0 and scheduler_config.enable_chunked_prefill else 1 << 62
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,7 +142,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget,
+                          self._chunk_cap)
             if num_new <= 0:
                 i += 1
                 continue
@@ -162,7 +165,7 @@ class Scheduler:
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, self._chunk_cap)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break

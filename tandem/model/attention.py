@@ -7,8 +7,9 @@ batch's shape (slot mapping, gather indices, masks) is built once per step by
 loop over requests.
 
 Decodes read K/V in place through the block table (a C++ kernel when built, else a padded gather).
-Multi-token queries gather their context once per layer and run masked SDPA, which uses the
-matmul units; that path is compute-bound, so the gather's extra copy costs little there.
+Multi-token queries with no cached context run as one padded causal SDPA (the flash kernel, no
+mask); those with context gather it once per layer and run masked SDPA, which uses the matmul
+units; that path is compute-bound, so the gather's extra copy costs little there.
 """
 
 from __future__ import annotations
@@ -23,20 +24,29 @@ from tandem.ops.paged_attention import paged_decode_attention
 
 
 @dataclass
+class PrefillGroup:
+    """Multi-token queries run as one SDPA call over a padded [B, Q] grid of queries.
+
+    Causal groups are requests with no cached context (whole prompts, or first chunks): their keys
+    are exactly their new tokens, so plain causal attention applies and SDPA can use its flash
+    kernel, with no gather and no mask. The other group attends to context in the pool: keys are
+    gathered through the block table and a mask encodes causality at each query's offset."""
+
+    tokens: torch.Tensor | None  # [Tg] this group's rows among the step's multi-token queries; None: all, in order
+    scatter: torch.Tensor | None  # [Tg] each row's index in the flat [B * Q] grid; None: B == 1, no padding
+    shape: tuple[int, int]  # (B, Q)
+    gather: torch.Tensor | None = None  # [B, L] pool slot of every key; None for a causal group
+    mask: torch.Tensor | None = None  # [B, 1, Q, L] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each new token
     slot_mapping: torch.Tensor  # [T] flat slot in the pool for each new token's K/V
     num_decode_tokens: int  # the first this many tokens are single-token queries
     decode_block_tables: torch.Tensor  # [Nd, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [Nd] int32
-    # Multi-token queries, padded to [Bp, Qp] queries over [Bp, Lp] keys.
-    prefill_gather: torch.Tensor | None  # [Bp, Lp] slots of every key of each request
-    prefill_mask: torch.Tensor | None  # [Bp, 1, Qp, Lp] bool, True = attend
-    prefill_scatter: torch.Tensor | None  # [Tp] index of each packed query in the flat [Bp*Qp] grid
-    prefill_shape: tuple[int, int]  # (Bp, Qp)
-    # One multi-token query with no cached context (a whole prompt, or its first chunk): plain
-    # causal attention over the new K/V, no gather and no mask, which lets SDPA use its flash kernel.
-    prefill_causal: bool = False
+    prefill_groups: list[PrefillGroup]  # at most two: causal, then with context
 
 
 def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
@@ -54,37 +64,72 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
         num_decode_tokens=num_decodes,
         decode_block_tables=bt[:num_decodes].to(device),
         decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes].astype(np.int32)).to(device),
-        prefill_gather=None, prefill_mask=None, prefill_scatter=None, prefill_shape=(0, 0),
+        prefill_groups=[],
     )
-    if num_decodes == len(q_lens):
+    pq, pc = q_lens[num_decodes:], context_lens[num_decodes:]
+    if not len(pq):
         return meta
-
-    pq, pc, ps = q_lens[num_decodes:], context_lens[num_decodes:], seq_lens[num_decodes:]
-    bp, qp, lp = len(pq), int(pq.max()), int(ps.max())
-    if bp == 1 and pc[0] == 0:
-        meta.prefill_causal = True
-        return meta
-    key_pos = np.arange(lp)
-    valid_key = key_pos[None, :] < ps[:, None]
-    gather = np.where(valid_key, block_tables[num_decodes:, np.minimum(key_pos // block_size,
-                                                                       block_tables.shape[1] - 1)]
-                      .astype(np.int64) * block_size + key_pos % block_size, 0)
-    query_pos = pc[:, None] + np.arange(qp)[None, :]  # absolute position of each padded query
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]
-    mask &= (np.arange(qp)[None, :] < pq[:, None])[:, :, None]
-    mask[:, :, 0] = True  # padded query rows attend one key rather than none (avoids NaN rows)
-    # Row b's queries go to b * Qp + their index within the chunk.
-    scatter = np.repeat(np.arange(bp) * qp, pq) + token_positions(pq, np.zeros_like(pq))
-    meta.prefill_gather = torch.from_numpy(gather).to(device)
-    meta.prefill_mask = torch.from_numpy(mask[:, None]).to(device)
-    meta.prefill_scatter = torch.from_numpy(scatter).to(device)
-    meta.prefill_shape = (bp, qp)
+    row_of_token = np.repeat(np.arange(len(pq)), pq)
+    fresh = pc == 0
+    for rows, causal in ((np.flatnonzero(fresh), True), (np.flatnonzero(~fresh), False)):
+        if not len(rows):
+            continue
+        tokens = None
+        if len(rows) < len(pq):
+            tokens = torch.from_numpy(np.flatnonzero(np.isin(row_of_token, rows))).to(device)
+        group = _padded_group(pq[rows], pc[rows], block_tables[num_decodes:][rows], tokens, causal, block_size,
+                              device)
+        meta.prefill_groups.append(group)
     return meta
+
+
+def _padded_group(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
+                  tokens: torch.Tensor | None, causal: bool, block_size: int, device: torch.device) -> PrefillGroup:
+    b, q = len(q_lens), int(q_lens.max())
+    # Row i's queries go to i * Q + their index within the chunk.
+    scatter = None
+    if b > 1:
+        scatter = torch.from_numpy(np.repeat(np.arange(b) * q, q_lens)
+                                   + token_positions(q_lens, np.zeros_like(q_lens))).to(device)
+    group = PrefillGroup(tokens, scatter, (b, q))
+    if causal:
+        return group
+    seq_lens = context_lens + q_lens
+    lk = int(seq_lens.max())
+    key_pos = np.arange(lk)
+    valid_key = key_pos[None, :] < seq_lens[:, None]
+    block_of_key = block_tables[:, np.minimum(key_pos // block_size, block_tables.shape[1] - 1)]
+    gather = np.where(valid_key, block_of_key.astype(np.int64) * block_size + key_pos % block_size, 0)
+    query_pos = context_lens[:, None] + np.arange(q)[None, :]  # absolute position of each padded query
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+    mask &= (np.arange(q)[None, :] < q_lens[:, None])[:, :, None]
+    mask[:, :, 0] = True  # padded query rows attend one key rather than none (avoids NaN rows)
+    group.gather = torch.from_numpy(gather).to(device)
+    group.mask = torch.from_numpy(mask[:, None]).to(device)
+    return group
 
 
 def token_positions(q_lens: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
     starts = np.cumsum(q_lens) - q_lens
     return np.arange(int(q_lens.sum())) - np.repeat(starts, q_lens) + np.repeat(context_lens, q_lens)
+
+
+def _to_grid(x: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
+    """[Tg, H, D] packed rows -> [B, H, Q, D] padded grid."""
+    if g.scatter is None:
+        return x.transpose(0, 1).unsqueeze(0)
+    b, q = g.shape
+    grid = x.new_zeros(b * q, *x.shape[1:])
+    grid[g.scatter] = x
+    return grid.view(b, q, *x.shape[1:]).transpose(1, 2)
+
+
+def _from_grid(out: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
+    """[B, H, Q, D] -> [Tg, H, D] packed rows."""
+    if g.scatter is None:
+        return out.squeeze(0).transpose(0, 1)
+    b, h, q, d = out.shape
+    return out.transpose(1, 2).reshape(b * q, h, d)[g.scatter]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -97,24 +142,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_flat.index_copy_(0, meta.slot_mapping, v)
 
     nd = meta.num_decode_tokens
+    gqa = q.shape[1] != num_kv_heads
     parts = []
     if nd:
         parts.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_seq_lens, scale))
-    if meta.prefill_causal:
-        out = F.scaled_dot_product_attention(q[nd:].transpose(0, 1).unsqueeze(0), k[nd:].transpose(0, 1).unsqueeze(0),
-                                             v[nd:].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != num_kv_heads)
-        parts.append(out.squeeze(0).transpose(0, 1))
-    elif meta.prefill_gather is not None:
-        bp, qp = meta.prefill_shape
-        num_heads = q.shape[1]
-        qpad = q.new_zeros(bp * qp, num_heads, head_dim)
-        qpad[meta.prefill_scatter] = q[nd:]
-        keys = k_flat[meta.prefill_gather].transpose(1, 2)  # [Bp, KVH, Lp, D]
-        values = v_flat[meta.prefill_gather].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qpad.view(bp, qp, num_heads, head_dim).transpose(1, 2), keys, values,
-                                             attn_mask=meta.prefill_mask, scale=scale,
-                                             enable_gqa=num_heads != num_kv_heads)
-        parts.append(out.transpose(1, 2).reshape(bp * qp, num_heads, head_dim)[meta.prefill_scatter])
+    if meta.prefill_groups:
+        qp, kp, vp = q[nd:], k[nd:], v[nd:]
+        out = qp.new_empty(qp.shape) if len(meta.prefill_groups) > 1 else None
+        for g in meta.prefill_groups:  # one or two groups, whatever the number of requests
+            qg = qp if g.tokens is None else qp[g.tokens]
+            if g.gather is None:
+                kg = kp if g.tokens is None else kp[g.tokens]
+                vg = vp if g.tokens is None else vp[g.tokens]
+                res = F.scaled_dot_product_attention(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g),
+                                                     is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                keys = k_flat[g.gather].transpose(1, 2)  # [B, KVH, L, D]
+                values = v_flat[g.gather].transpose(1, 2)
+                res = F.scaled_dot_product_attention(_to_grid(qg, g), keys, values, attn_mask=g.mask, scale=scale,
+                                                     enable_gqa=gqa)
+            res = _from_grid(res, g)
+            if out is None:
+                out = res
+            else:
+                out[g.tokens] = res
+        parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

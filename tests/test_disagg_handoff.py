@@ -1,0 +1,136 @@
+"""The prefill -> decode hand-off in one process, on a tiny random model: a prefill engine ships the
+KV layer by layer into blocks a decode engine reserved, and the decode engine's greedy tokens are
+exactly a single engine's, whatever the chunking, the block boundaries, and which side already
+caches part of the prompt. Every pool is clean afterwards.
+
+The processes, sockets and failures around this are tested end to end in test_disaggregation.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_tiny_models import build
+
+from tandem.config import EngineConfig
+from tandem.disagg.connector import LayerwiseKVSend
+from tandem.disagg.transport import KVReceiver, RoutingSender, TransferHandle, make_receiver
+from tandem.engine.core import EngineCore
+from tandem.engine.request import Request
+from tandem.model.loader import load_model
+from tandem.sampling_params import SamplingParams
+
+BLOCK = 4
+VOCAB = 96
+
+
+def engine(path: Path, budget: int, allocator=None) -> EngineCore:  # noqa: ANN001
+    config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=96, block_size=BLOCK,
+                                      max_num_batched_tokens=budget, num_threads=1)
+    return EngineCore(config, load_model(str(path), torch.float32).model, allocator)
+
+
+def run_colocated(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"r{i}", p, params))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+    return list(out.values())
+
+
+def run_disaggregated(prefill: EngineCore, decode: EngineCore, receiver: KVReceiver, prompts: list[list[int]],
+                      max_tokens: int) -> list[list[int]]:
+    """What the router and the two workers do, minus the processes."""
+    sender = RoutingSender(b"k")
+    kv_send = LayerwiseKVSend(sender, BLOCK)
+    prefill.runner.layer_hook = kv_send
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    handles: dict[str, TransferHandle] = {}
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        reserved = decode.scheduler.reserve_remote(Request(rid, p, params))
+        assert reserved is not None
+        block_ids, cached_tokens = reserved
+        receiver.open(rid, block_ids)
+        handles[rid] = TransferHandle(rid, block_ids, cached_tokens // BLOCK, receiver.endpoint)
+        prefill.add_request(Request(rid, p, params, kv_transfer=handles[rid]))
+        out[rid] = []
+    landing: dict[str, int] = {}
+    while prefill.has_unfinished() or landing:
+        for o in prefill.step():
+            assert o.finish_reason is None  # transferred, not finished: decoding goes on elsewhere
+            landing[o.request_id] = o.new_token_ids[0]
+            kv_send.finish(handles[o.request_id])
+        for result in sender.poll():
+            assert result.ok, result.error
+            token = landing.pop(result.request_id)
+            receiver.close(result.request_id)
+            assert decode.scheduler.admit_remote(result.request_id, token, None)
+            out[result.request_id].append(token)
+    while decode.has_unfinished():
+        for o in decode.step():
+            out[o.request_id] += o.new_token_ids
+    sender.close()
+    return list(out.values())
+
+
+def assert_clean(core: EngineCore) -> None:
+    pool = core.scheduler.kv.pool
+    assert not core.scheduler.requests and not core.scheduler.kv.req_blocks
+    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.mktemp("tiny"))[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("budget", [3, 8, 64])  # chunks ending mid-block, on block edges, and whole prompts
+def test_handoff_matches_a_single_engine(tiny: Path, transport: str, budget: int) -> None:
+    rng = np.random.default_rng(budget)
+    shared = rng.integers(0, VOCAB, 13).tolist()
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 4, 9, 23)]
+    prompts += [shared + rng.integers(0, VOCAB, 6).tolist(), shared + rng.integers(0, VOCAB, 2).tolist()]
+    reference = engine(tiny, budget)
+    expected = run_colocated(reference, prompts, 6)
+    receiver = make_receiver(transport, "127.0.0.1", 0, b"k")
+    prefill, decode = engine(tiny, budget), engine(tiny, budget, receiver.allocate_pool)
+    try:
+        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        # Again: now the decode side caches the prompts (only the tail is shipped) and so does the
+        # prefill side (it computes only the last token but still ships what the decode side lacks).
+        hits_before = decode.scheduler.kv.prefix_stats.hits
+        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        assert decode.scheduler.kv.prefix_stats.hits > hits_before
+        # Prompts the decode side has never seen but the prefill side has: they must still arrive whole.
+        assert decode.scheduler.kv.reset_prefix_cache()
+        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        for core in (reference, prefill, decode):
+            assert_clean(core)
+    finally:
+        receiver.shutdown()
+
+
+def test_a_reservation_is_private_until_admitted(tiny: Path) -> None:
+    """Blocks whose KV has not arrived must not be served to a local request as a prefix hit."""
+    receiver = make_receiver("shm")
+    decode = engine(tiny, 64, receiver.allocate_pool)
+    prompt = list(range(1, 20))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert decode.scheduler.reserve_remote(Request("remote", prompt, params)) is not None
+    local = Request("local", prompt, params)
+    hits, _ = decode.scheduler.kv.get_computed_blocks(local)
+    assert hits == []
+    with pytest.raises(ValueError, match="already in use"):
+        decode.scheduler.reserve_remote(Request("remote", prompt, params))
+    decode.abort(["remote"])
+    assert_clean(decode)
+    receiver.shutdown()
