@@ -16,7 +16,9 @@ common=(--base-url "http://127.0.0.1:$PORT" --ignore-eos --save-result --result-
         --goodput ttft:2000 tpot:150)
 for c in 1 8 32; do
   n=$(( c == 1 ? 8 : c * 2 ))
-  .venv/bin/tandem bench serve "${common[@]}" --dataset-name random --random-input-len 256 \
+  # A seed per run: with one seed each run would resend the previous run's prompts and the prefix
+  # cache would hide their prefill.
+  .venv/bin/tandem bench serve "${common[@]}" --dataset-name random --random-input-len 256 --seed "$c" \
       --random-output-len 128 --max-concurrency "$c" --num-prompts "$n" --label "random-c$c" \
       --result-filename "random-c$c.json" --plot
 done

@@ -173,3 +173,22 @@ def test_prefix_lookups_counted_once_while_blocked() -> None:
     assert not scheduler.has_unfinished()
     assert scheduler.kv.prefix_stats.queries == 40
     assert scheduler.kv.prefix_stats.hits == 0
+
+
+def test_long_prefill_token_threshold_lets_short_prompts_share_the_step() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=96, long_prefill_token_threshold=32)
+    scheduler = Scheduler(config, CacheConfig(block_size=4), num_blocks=128, max_model_len=512)
+    params = SamplingParams(max_tokens=2)
+    long, short = Request("long", list(range(1, 201)), params), Request("short", list(range(300, 320)), params)
+    scheduler.add_request(long)
+    scheduler.add_request(short)
+    out = scheduler.schedule()
+    # Without the cap the long prompt would take the whole budget and the short one would wait.
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"long": 32, "short": 20}
+    scheduler.update_from_output(out, {"short": [7]})
+    out = scheduler.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"long": 32, "short": 1}
+    for rid in ("long", "short"):
+        scheduler.abort(rid)
+    check_invariants(scheduler)
+    assert scheduler.kv.pool.num_free_blocks == 128

@@ -254,8 +254,7 @@ class DisaggEngine(EngineClient):
                     ack[0].set_result(None)
         elif kind == "failed":
             _, child_ids, message = msg
-            for rid in child_ids:
-                self._drop_flight(rid)
+            await self._abort_in_engine(child_ids)  # stops its routing task and cleans up the other side
             self._fail_children(child_ids, EngineRequestError(message))
 
     def _register(self, ident: bytes, info: WorkerInfo) -> None:

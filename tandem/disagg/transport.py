@@ -53,18 +53,20 @@ class TransferResult:
     error: str | None = None
     num_bytes: int = 0
     copy_s: float = 0.0  # spent on the compute thread issuing writes
-    window_s: float = 0.0  # first write to confirmed landing
+    window_s: float = 0.0  # first write to confirmed landing (synchronous backends: the copies)
     wait_s: float = 0.0  # end of compute to confirmed landing (not hidden)
 
     @property
     def hidden_s(self) -> float:
-        """Transfer time that overlapped the model's compute instead of adding to it."""
+        """The part of the transfer window during which the model went on computing: layer i's KV
+        in flight while layer i+1 runs. Zero for a synchronous backend."""
         return max(self.window_s - self.copy_s - self.wait_s, 0.0)
 
 
 @dataclass
 class _Progress:
     handle: TransferHandle
+    synchronous: bool = False  # every write completes before write() returns: nothing overlaps
     num_bytes: int = 0
     copy_s: float = 0.0
     first_write: float | None = None
@@ -75,6 +77,8 @@ class _Progress:
 class KVSender(ABC):
     """Prefill side. write() and finish() run on the engine thread; poll() reports results."""
 
+    synchronous = False  # a backend whose writes land before write() returns (a memcpy) says so
+
     def __init__(self) -> None:
         self._progress: dict[str, _Progress] = {}
         self._done: list[TransferResult] = []
@@ -83,7 +87,7 @@ class KVSender(ABC):
         """kv: [2, len(dst_block_ids), block_size, kv_heads, head_dim], this layer's K and V."""
         p = self._progress.get(handle.request_id)
         if p is None:
-            p = self._progress[handle.request_id] = _Progress(handle)
+            p = self._progress[handle.request_id] = _Progress(handle, self._is_synchronous(handle))
         if p.error is not None:
             return
         t0 = time.perf_counter()
@@ -119,10 +123,16 @@ class KVSender(ABC):
             return
         now = time.perf_counter()
         error = error or p.error
+        if p.synchronous:  # the copies were the whole transfer, all of it on the compute thread
+            self._done.append(TransferResult(request_id, error is None, error, p.num_bytes, p.copy_s, p.copy_s))
+            return
         finished = p.finished if p.finished is not None else now
         start = p.first_write if p.first_write is not None else finished
         self._done.append(TransferResult(request_id, error is None, error, p.num_bytes, p.copy_s, now - start,
                                          now - finished))
+
+    def _is_synchronous(self, handle: TransferHandle) -> bool:
+        return self.synchronous
 
     def poll(self) -> list[TransferResult]:
         self._check()
@@ -248,6 +258,9 @@ class RoutingSender(KVSender):
             b._complete = self._complete  # results land in this sender's queue
             self._backends[kind] = b
         return b
+
+    def _is_synchronous(self, handle: TransferHandle) -> bool:
+        return self._backend(handle.endpoint.kind).synchronous
 
     def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
         self._backend(handle.endpoint.kind)._write(handle, layer, dst_block_ids, kv)

@@ -113,7 +113,7 @@ class Worker:
             return False
         if kind == "add":
             for request in msg[1]:
-                self.core.add_request(request)
+                self.add(request)
         elif kind == "abort":
             self.abort(msg[1])
             self.send("aborted", msg[1])  # the router frees the matching reservations only after this
@@ -123,8 +123,8 @@ class Worker:
             self.reserve(msg[1])
         elif kind == "prefill":
             request: Request = msg[1]
-            self.prefills[request.request_id] = request
-            self.core.add_request(request)
+            if self.add(request):
+                self.prefills[request.request_id] = request
         elif kind == "admit":
             _, rid, first_token, generator_state = msg
             if self.receiver is not None:
@@ -135,6 +135,14 @@ class Worker:
         elif kind == "hello":
             self.register()
         return True
+
+    def add(self, request: Request) -> bool:
+        try:
+            self.core.add_request(request)
+            return True
+        except ValueError as e:  # e.g. an id still in use here: fail the request, not the worker
+            self.send("failed", [request.request_id], str(e))
+            return False
 
     def reserve(self, request: Request) -> None:
         rid = request.request_id
@@ -224,8 +232,11 @@ class Worker:
                 except wire.AuthError as e:
                     log.warning("dropped a message from the router: %s", e)
                 else:
-                    if not self.handle(msg):
-                        return
+                    try:
+                        if not self.handle(msg):
+                            return
+                    except Exception:  # one bad message must not take the worker's other requests down
+                        log.exception("failed to handle %s", msg[0])
                 events = dict(poller.poll(0))
             if self.core.has_unfinished():
                 self.step()

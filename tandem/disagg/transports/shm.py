@@ -55,6 +55,8 @@ class ShmReceiver(KVReceiver):
 
 
 class ShmSender(KVSender):
+    synchronous = True
+
     def __init__(self) -> None:
         super().__init__()
         self._pools: dict[str, torch.Tensor] = {}
