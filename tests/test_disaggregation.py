@@ -111,40 +111,52 @@ def colocated_outputs(passages: list[str]) -> dict[str, list]:
         }
 
 
+@pytest.fixture(scope="module")
+def disagg_server() -> Server:  # noqa: ANN201 (a generator fixture)
+    """One 1P1D deployment (shared-memory transport) for the tests that leave every worker alive."""
+    with running_server(*COMMON, *DISAGG) as s:
+        yield s
+
+
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
-def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: dict, passages: list[str]) -> None:
-    with running_server(*COMMON, *DISAGG, "--kv-transport", transport) as s:
+def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: dict, passages: list[str],
+                                             request: pytest.FixtureRequest) -> None:
+    with contextlib.ExitStack() as stack:
+        s = (request.getfixturevalue("disagg_server") if transport == "shm"
+             else stack.enter_context(running_server(*COMMON, *DISAGG, "--kv-transport", transport)))
         texts = prompts(passages)
+        transfers, fallbacks = metric_or_zero(s, "kv_transfers", outcome="ok"), metric(s, "router_colocated_fallbacks")
+        sent_before = metric_or_zero(s, "kv_transfer_sent_bytes")
         assert run_all(s, texts) == colocated_outputs["greedy"]
-        sent_first = metric(s, "kv_transfer_sent_bytes")
+        sent_first = metric(s, "kv_transfer_sent_bytes") - sent_before
         # The second round hits the decode worker's prefix cache: those blocks are not sent again.
         assert run_all(s, texts) == colocated_outputs["again"]
-        sent_second = metric(s, "kv_transfer_sent_bytes") - sent_first
+        sent_second = metric(s, "kv_transfer_sent_bytes") - sent_before - sent_first
         assert 0 < sent_second < sent_first
         # Seeded sampling continues the prefill worker's random stream on the decode worker.
         seeded = run_all(s, texts[:3], temperature=0.9, seed=1234)
         assert seeded == colocated_outputs["seeded"]
-        assert metric(s, "kv_transfers", outcome="ok") == 2 * len(texts) + 3
-        assert metric(s, "router_colocated_fallbacks") == 0
+        assert metric(s, "kv_transfers", outcome="ok") - transfers == 2 * len(texts) + 3
+        assert metric(s, "router_colocated_fallbacks") == fallbacks
         assert metric(s, "prefix_cache_hits") > 0
         if transport == "zmq":
             assert metric(s, "kv_transfer_received_bytes") == metric(s, "kv_transfer_sent_bytes")
         wait_blocks_free(s)
 
 
-def test_streaming_through_the_router_equals_non_streaming() -> None:
-    with running_server(*COMMON, *DISAGG) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        msgs = [{"role": "user", "content": "Name three colours."}]
-        full = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
-        chunks = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == full.choices[0].message.content
-        # The same errors as the colocated server.
-        r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
-        wait_blocks_free(s)
+def test_streaming_through_the_router_equals_non_streaming(disagg_server: Server) -> None:
+    s = disagg_server
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
+    chunks = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    # The same errors as the colocated server.
+    r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    wait_blocks_free(s)
 
 
 def _stream_until_error(url: str, model: str, result: dict, key: int) -> None:
@@ -165,45 +177,54 @@ def _stream_until_error(url: str, model: str, result: dict, key: int) -> None:
         result[key] = ("error", time.monotonic())
 
 
-@pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
-def test_kill_a_worker_mid_stream(victim: str) -> None:
+def _start_streams(url: str, model: str, results: dict[int, tuple[str, float]]) -> list:
     import threading
 
+    threads = [threading.Thread(target=_stream_until_error, args=(url, model, results, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _still_serving(s: Server, model: str, victim: str) -> None:
+    # New requests are served by the survivor (colocated, since the pair is broken).
+    out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
+                                                      "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert out.status_code == 200 and out.json()["choices"][0]["text"]
+    assert httpx.get(f"{s.url}/health").status_code == 200
+    assert metric(s, "worker_up", worker=victim) == 0
+    assert metric(s, "router_worker_deaths") == 1
+    wait_blocks_free(s)
+
+
+def test_kill_the_decode_worker_mid_stream() -> None:
     with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
         model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
         results: dict[int, tuple[str, float]] = {}
-        threads = [threading.Thread(target=_stream_until_error, args=(s.url, model, results, i)) for i in range(3)]
-        for t in threads:
-            t.start()
+        threads = _start_streams(s.url, model, results)
         time.sleep(4)  # streams are decoding by now
-        os.kill(worker_pid(s, victim), signal.SIGKILL)
+        os.kill(worker_pid(s, "decode-0"), signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:
             t.join(90)
+        # Every stream lived on the decode worker: each gets an error, within seconds.
         assert len(results) == 3
-        if victim == "decode-0":
-            # Every stream lived on the decode worker: each gets an error, within seconds.
-            for outcome, when in results.values():
-                assert outcome == "error" and when - killed < 10
-        else:
-            # Their prompts were done: the decode worker carries on, untouched.
-            assert all(outcome == "done" for outcome, _ in results.values())
-        # New requests are still served, by the survivor (colocated, since the pair is broken).
-        out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
-                                                          "max_tokens": 8, "temperature": 0}, timeout=60)
-        assert out.status_code == 200 and out.json()["choices"][0]["text"]
-        assert httpx.get(f"{s.url}/health").status_code == 200
-        assert metric(s, "worker_up", worker=victim) == 0
-        wait_blocks_free(s)
+        for outcome, when in results.values():
+            assert outcome == "error" and when - killed < 10
+        _still_serving(s, model, "decode-0")
 
 
-def test_kill_prefill_worker_while_prompts_are_in_flight(passages: list[str]) -> None:
-    """Requests caught mid-prefill have streamed nothing: they are retried on the survivor."""
+def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str]) -> None:
+    """Streams already decoding carry on untouched; prompts caught mid-prefill have streamed
+    nothing, so they are retried on the survivor and succeed."""
     with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
         model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
         long = " ".join(passages)[:3000]
+        results: dict[int, tuple[str, float]] = {}
+        threads = _start_streams(s.url, model, results)
+        time.sleep(4)  # streams are decoding by now
 
-        async def main() -> list[int]:
+        async def prompts_in_flight() -> list[int]:
             async with httpx.AsyncClient(timeout=120) as c:
                 tasks = [asyncio.create_task(c.post(f"{s.url}/v1/completions", json={
                     "model": model, "prompt": f"{i} {long}", "max_tokens": 4, "temperature": 0})) for i in range(3)]
@@ -211,32 +232,34 @@ def test_kill_prefill_worker_while_prompts_are_in_flight(passages: list[str]) ->
                 os.kill(worker_pid(s, "prefill-0"), signal.SIGKILL)
                 return [(await t).status_code for t in tasks]
 
-        assert asyncio.run(main()) == [200, 200, 200]
-        assert metric(s, "router_worker_deaths") == 1
-        wait_blocks_free(s)
+        assert asyncio.run(prompts_in_flight()) == [200, 200, 200]
+        for t in threads:
+            t.join(90)
+        assert sorted(outcome for outcome, _ in results.values()) == ["done"] * 3
+        _still_serving(s, model, "prefill-0")
 
 
-def test_abort_storm_leaves_no_blocks(passages: list[str]) -> None:
-    with running_server(*COMMON, *DISAGG) as s:
-        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
-        long = " ".join(passages)[:2000]
+def test_abort_storm_leaves_no_blocks(passages: list[str], disagg_server: Server) -> None:
+    s = disagg_server
+    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    long = " ".join(passages)[:2000]
 
-        async def one(c: httpx.AsyncClient, i: int) -> None:
-            body = {"model": model, "prompt": f"{i} {long if i % 2 else 'Tell me a story.'}", "max_tokens": 64,
-                    "temperature": 0, "stream": i % 3 == 0}
-            # Cut at every phase: while routing, mid-prefill/transfer, and mid-decode.
-            with contextlib.suppress(TimeoutError, httpx.HTTPError):
-                await asyncio.wait_for(c.post(f"{s.url}/v1/completions", json=body), timeout=0.05 + 0.25 * (i % 8))
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "prompt": f"{i} {long if i % 2 else 'Tell me a story.'}", "max_tokens": 64,
+                "temperature": 0, "stream": i % 3 == 0}
+        # Cut at every phase: while routing, mid-prefill/transfer, and mid-decode.
+        with contextlib.suppress(TimeoutError, httpx.HTTPError):
+            await asyncio.wait_for(c.post(f"{s.url}/v1/completions", json=body), timeout=0.05 + 0.25 * (i % 8))
 
-        async def main() -> None:
-            async with httpx.AsyncClient(timeout=60) as c:
-                await asyncio.gather(*(one(c, i) for i in range(24)))
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            await asyncio.gather(*(one(c, i) for i in range(24)))
 
-        asyncio.run(main())
-        wait_blocks_free(s, timeout=30)
-        # And it still serves.
-        r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200
+    asyncio.run(main())
+    wait_blocks_free(s, timeout=30)
+    # And it still serves.
+    r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
 
 
 def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
@@ -284,8 +307,9 @@ def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
                 w.kill()
 
 
-def metric_or_zero(server: Server, name: str) -> float:
+def metric_or_zero(server: Server, name: str, **labels: str) -> float:
+    """For series that appear only once something happened."""
     try:
-        return metric(server, name)
+        return metric(server, name, **labels)
     except (KeyError, httpx.HTTPError):
         return 0.0
