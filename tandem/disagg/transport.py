@@ -26,6 +26,10 @@ class TransferError(RuntimeError):
     pass
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class KVEndpoint:
     kind: str  # "shm" or "zmq"
@@ -163,14 +167,17 @@ class KVReceiver(ABC):
         self._lock = threading.Lock()
         self._open: dict[str, frozenset[int]] = {}
         self.pool: torch.Tensor | None = None
+        self._endpoint: KVEndpoint | None = None  # set by allocate_pool
         self.bytes_received = 0
 
     @abstractmethod
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
     @property
-    @abstractmethod
-    def endpoint(self) -> KVEndpoint: ...
+    def endpoint(self) -> KVEndpoint:
+        if self._endpoint is None:
+            raise RuntimeError("allocate_pool() first")
+        return self._endpoint
 
     def open(self, request_id: str, block_ids: list[int]) -> None:
         with self._lock:

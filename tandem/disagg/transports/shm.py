@@ -14,11 +14,7 @@ import socket
 
 import torch
 
-from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
 
 
 def map_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -29,7 +25,6 @@ class ShmReceiver(KVReceiver):
     def __init__(self) -> None:
         super().__init__()
         self._fd: int | None = None
-        self._endpoint: KVEndpoint | None = None
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -39,14 +34,8 @@ class ShmReceiver(KVReceiver):
         os.ftruncate(self._fd, nbytes)  # sparse: pages are allocated as blocks are first written
         path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.pool = map_pool(path, shape, dtype)
-        self._endpoint = KVEndpoint("shm", path, socket.gethostname(), tuple(shape), _dtype_name(dtype))
+        self._endpoint = KVEndpoint("shm", path, socket.gethostname(), tuple(shape), dtype_name(dtype))
         return self.pool
-
-    @property
-    def endpoint(self) -> KVEndpoint:
-        if self._endpoint is None:
-            raise RuntimeError("allocate_pool() first")
-        return self._endpoint
 
     def shutdown(self) -> None:
         if self._fd is not None:

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from tandem.disagg import wire
-from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle
+from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +41,16 @@ class ZmqReceiver(KVReceiver):
             self.port = port
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self._endpoint: KVEndpoint | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self._endpoint = KVEndpoint("zmq", f"tcp://{self.host}:{self.port}", self.host, tuple(shape),
-                                    str(dtype).removeprefix("torch."))
+                                    dtype_name(dtype))
         self._thread = threading.Thread(target=self._serve, name="tandem-kv-receiver", daemon=True)
         self._thread.start()
         return self.pool
-
-    @property
-    def endpoint(self) -> KVEndpoint:
-        if self._endpoint is None:
-            raise RuntimeError("allocate_pool() first")
-        return self._endpoint
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -114,7 +107,7 @@ class ZmqSender(KVSender):
         return s
 
     def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
-        header = ("kv", handle.request_id, layer, dst_block_ids, tuple(kv.shape), str(kv.dtype).removeprefix("torch."))
+        header = ("kv", handle.request_id, layer, dst_block_ids, tuple(kv.shape), dtype_name(kv.dtype))
         # copy=False: ZeroMQ keeps a reference to the buffer until it is on the wire.
         self._sock(handle.endpoint.address).send_multipart(wire.sign(self.secret, header, _as_bytes(kv)), copy=False)
 
