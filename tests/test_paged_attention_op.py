@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.ops import extension as ext
 from tandem.ops import paged_attention as pa
 
 Impl = Callable[..., torch.Tensor]
 
 
 def _kernel_impl() -> Impl:
-    if not pa.kernel_available():
-        reason = "TANDEM_DISABLE_KERNELS is set" if pa.kernels_disabled() else pa.kernel_error()
-        pytest.skip(f"paged attention kernel unavailable: {reason}")
-    op = pa.load_kernel()
+    if not ext.extension_available():
+        reason = "TANDEM_DISABLE_KERNELS is set" if ext.kernels_disabled() else ext.extension_error()
+        pytest.skip(f"compiled ops unavailable: {reason}")
+    op = ext.op("paged_decode_attention")
     assert op is not None
     return lambda *args: op(*args[:-1], float(args[-1]))
 
@@ -185,7 +186,7 @@ def test_dispatch_uses_kernel_and_env_disables_it(monkeypatch: pytest.MonkeyPatc
     out_kernel = pa.paged_decode_attention(*args, 0.125)
     assert not calls
     monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
-    assert not pa.kernel_available()
+    assert not ext.extension_available()
     out_fallback = pa.paged_decode_attention(*args, 0.125)
     assert calls
     torch.testing.assert_close(out_kernel, out_fallback, atol=1e-5, rtol=1e-5)
@@ -199,18 +200,19 @@ def test_dispatch_falls_back_for_unsupported_head_dim() -> None:
 
 def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A broken toolchain must produce a warning and the fallback, never an exception.
-    monkeypatch.setattr(pa, "_op", None)
-    monkeypatch.setattr(pa, "_build_failed", None)
+    monkeypatch.setattr(ext, "_loaded", False)
+    monkeypatch.setattr(ext, "_build_failed", None)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # empty cache: forces a build
     monkeypatch.delenv("TANDEM_DISABLE_KERNELS", raising=False)
 
     def broken_build(directory: Path) -> Path:
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setattr(pa, "_build", broken_build)
-    assert pa.load_kernel() is None
-    assert "compiler exploded" in (pa.kernel_error() or "")
-    assert pa.load_kernel(build=False) is None  # not retried
+    monkeypatch.setattr(ext, "_build", broken_build)
+    assert not ext.load_extension()
+    assert "compiler exploded" in (ext.extension_error() or "")
+    assert not ext.load_extension(build=False)  # not retried
+    assert ext.op("paged_decode_attention") is None
     args = make_case([10], 2, 1, 64, 16, torch.float32)
     torch.testing.assert_close(
         pa.paged_decode_attention(*args, 0.125).double(), naive_reference(*args, 0.125), atol=1e-5, rtol=1e-5

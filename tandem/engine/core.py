@@ -18,7 +18,7 @@ from tandem.engine.runner import KVAllocator, ModelRunner, StepTimings, num_kv_b
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerStats
 from tandem.model.llama import LlamaForCausalLM
-from tandem.ops.paged_attention import load_kernel
+from tandem.ops.extension import load_extension
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":
-            load_kernel()  # load (or, if set-up was skipped, build) now rather than on the first step
+            load_extension()  # load (or, if set-up was skipped, build) now rather than on the first step
         self.config = config
         num_blocks = num_kv_blocks(config, model.cfg)
         self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.request import Request
+from tandem.ops import fused
 
 
 @dataclass
@@ -77,20 +78,23 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: float32 [B, V], one row per request in the same order."""
+    """logits: [B, V] in the model's dtype, one row per request in the same order.
+
+    Greedy rows take the argmax of the logits as they are (for bf16 that is the same token as the
+    argmax of their float32 copy); only rows that transform or sample are widened to float32."""
     params = [r.sampling_params for r in requests]
     raw_logits = logits
     if any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
            for p in params):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         _mask_min_tokens(logits, requests)
         logits = _penalise(logits, requests)
 
     greedy = [p.greedy for p in params]
-    tokens = logits.argmax(-1)
+    tokens = fused.argmax(logits)
     if not all(greedy):
         idx = torch.tensor([i for i, g in enumerate(greedy) if not g])
-        sub = logits[idx]
+        sub = logits[idx].float()
         sub_params = [params[i] for i in idx.tolist()]
         temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype).unsqueeze(1)
         sub = sub / temps
@@ -109,7 +113,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         # Logprobs of the model's distribution, before any sampling transformation (as vLLM reports).
-        lp = raw_logits[want].log_softmax(-1)
+        lp = raw_logits[want].float().log_softmax(-1)
         k = max(params[i].logprobs or 0 for i in want)
         top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         for row, i in enumerate(want):

@@ -13,7 +13,8 @@ from torch import nn
 
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, paged_attention
-from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.ops import fused
 
 
 class LlamaAttention(nn.Module):
@@ -36,7 +37,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = fused.rotary(q, k, cos, sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -49,10 +50,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output, not yet added to the residual stream (None: first layer);
+        the add is fused into this layer's first norm, as the next layer fuses ours."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -73,16 +81,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
                 logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        Returns float32 logits for the tokens at logits_indices only. after_layer(i) runs once layer
+        Returns logits (in the model's dtype) for the tokens at logits_indices only. after_layer(i) runs once layer
         i's KV is in the pool (a disaggregated prefill ships it while the next layer computes)."""
         cos, sin = self.rotary.lookup(meta.positions)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])
+        return self.lm_head(x)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (q/k/v and gate/up separate) and fuse them into this layout."""

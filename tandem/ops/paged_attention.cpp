@@ -28,6 +28,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -48,14 +50,9 @@
 #define TANDEM_PREFETCH_AHEAD 2
 #endif
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace tandem_ops {
 namespace {
-
-using bf16 = c10::BFloat16;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Lower bound on a split part, in tokens: merging partials costs a little, so parts stay large.
@@ -106,13 +103,6 @@ struct Params {
   float* part_acc;  // [slots, H, D]
 };
 
-// The per-block helpers are forced inline into run_item so a compile-time head_dim propagates
-// into their loops (fully unrolled for the common sizes).
-#if defined(__GNUC__)
-#define TANDEM_INLINE inline __attribute__((always_inline))
-#else
-#define TANDEM_INLINE inline
-#endif
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -120,39 +110,6 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // AVX512 building blocks
 // =============================================================================================
 #if defined(__AVX512F__)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const bf16* p) {
-  // bf16 is the top half of a float: widen to 32 bits and shift.
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (the argument is always score - running max). Range reduction to
-// r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial: ~1 ulp, far cheaper than scalar expf.
-inline __m512 exp512(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
-  r = _mm512_fnmadd_ps(k, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, k);
-}
-
-inline __mmask16 lane_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
 
 // Lane t of the result is the horizontal sum of v[t]: a transpose-and-add tree, ~3 instructions
 // per input vector instead of ~8 for separate reductions.
@@ -756,12 +713,11 @@ std::string isa() {
 
 }  // namespace tandem_ops
 
-// A namespace of its own, so other tandem extensions can register theirs without clashing.
-TORCH_LIBRARY(tandem_paged_attention, m) {
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
-      "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
   m.def("isa", &tandem_ops::isa);
 }
 
-TORCH_LIBRARY_IMPL(tandem_paged_attention, CPU, m) { m.impl("decode", &tandem_ops::paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_decode_attention", &tandem_ops::paged_decode_attention); }

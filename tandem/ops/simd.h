@@ -1,0 +1,92 @@
+// SIMD building blocks shared by Tandem's CPU kernels (AVX512 when compiled with it).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Hot helpers are forced inline so a compile-time size propagates into their loops.
+#if defined(__GNUC__)
+#define TANDEM_INLINE inline __attribute__((always_inline))
+#else
+#define TANDEM_INLINE inline
+#endif
+
+namespace tandem_ops {
+
+using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const bf16* p) {
+  // bf16 is the top half of a float: widen to 32 bits and shift.
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (the argument is always score - running max). Range reduction to
+// r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial: ~1 ulp, far cheaper than scalar expf.
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
+  r = _mm512_fnmadd_ps(k, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __mmask16 lane_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Round to the storage type: float stores as is; bf16 rounds to nearest even, as c10 does
+// (NaN stays NaN), so a kernel and its PyTorch fallback agree to the bit.
+inline __m512 round_as(__m512 x, const float*) { return x; }
+
+inline __m256i to_bf16_bits(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+inline __m512 round_as(__m512 x, const bf16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(x)), 16));
+}
+
+inline void store16(float* p, __m512 x, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, x); }
+
+inline void store16(bf16* p, __m512 x, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(x)); }
+
+#endif  // __AVX512F__
+
+}  // namespace tandem_ops
