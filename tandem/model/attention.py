@@ -2,14 +2,17 @@
 
 The batch is ordered so that the requests with a single query token (decodes) come first and the
 rest (prompt chunks, or several speculative tokens) after. Everything that depends only on the
-batch's shape (slot mapping, gather indices, masks) is built once per step by
+batch's shape (slot mapping, block tables, query offsets) is built once per step by
 `build_attention_metadata`; the per-layer code below is a handful of tensor ops with no Python
 loop over requests.
 
-Decodes read K/V in place through the block table (a C++ kernel when built, else a padded gather).
-Multi-token queries with no cached context run as one padded causal SDPA (the flash kernel, no
-mask); those with context gather it once per layer and run masked SDPA, which uses the matmul
-units; that path is compute-bound, so the gather's extra copy costs little there.
+Both kinds of query read K/V in place through the block tables when the compiled kernels serve
+the inputs (CPU, float32/bfloat16): decodes with the paged decode kernel, multi-token queries with
+the paged prefill kernel (causal, variable length, no padding, no mask tensor). Otherwise (another
+device, kernels disabled) a PyTorch fallback runs: decodes gather their blocks into a padded batch;
+multi-token queries with no cached context run as one padded causal SDPA (the flash kernel, no
+mask), and those with context gather it once per layer and run masked SDPA. The fallback's index
+tensors are built lazily, once per step, only when it is used.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.paged_attention import paged_decode_attention
+from tandem.ops.paged_attention import paged_decode_attention, paged_prefill_attention, prefill_kernel_supports
 
 
 @dataclass
@@ -46,7 +49,26 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first this many tokens are single-token queries
     decode_block_tables: torch.Tensor  # [Nd, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [Nd] int32
-    prefill_groups: list[PrefillGroup]  # at most two: causal, then with context
+    # Multi-token queries (the requests after the decodes):
+    prefill_block_tables: torch.Tensor  # [Np, max_blocks] int32
+    prefill_query_start: torch.Tensor  # [Np + 1] int32 offsets of each request's queries among them
+    prefill_seq_lens: torch.Tensor  # [Np] int32 context + new tokens
+    block_size: int = 16
+    # Host copies of the multi-token queries' q_lens, context_lens and block tables, from which the
+    # fallback's groups are built on first use (never, when the kernel serves every layer).
+    _host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _groups: list[PrefillGroup] | None = None
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_seq_lens)
+
+    def prefill_groups(self) -> list[PrefillGroup]:
+        """The fallback's batching of the multi-token queries: at most two groups, causal first."""
+        if self._groups is None:
+            assert self._host is not None
+            self._groups = _prefill_groups(*self._host, self.block_size, self.positions.device)
+        return self._groups
 
 
 def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
@@ -56,19 +78,26 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
     req_idx = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = token_positions(q_lens, context_lens)
     slots = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
-
     bt = torch.from_numpy(block_tables)
-    meta = AttentionMetadata(
+    prefill_query_start = np.zeros(len(q_lens) - num_decodes + 1, dtype=np.int32)
+    np.cumsum(q_lens[num_decodes:], out=prefill_query_start[1:])
+    return AttentionMetadata(
         positions=torch.from_numpy(positions).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
         num_decode_tokens=num_decodes,
         decode_block_tables=bt[:num_decodes].to(device),
         decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes].astype(np.int32)).to(device),
-        prefill_groups=[],
+        prefill_block_tables=bt[num_decodes:].to(device),
+        prefill_query_start=torch.from_numpy(prefill_query_start).to(device),
+        prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:].astype(np.int32)).to(device),
+        block_size=block_size,
+        _host=(q_lens[num_decodes:], context_lens[num_decodes:], block_tables[num_decodes:]),
     )
-    pq, pc = q_lens[num_decodes:], context_lens[num_decodes:]
-    if not len(pq):
-        return meta
+
+
+def _prefill_groups(pq: np.ndarray, pc: np.ndarray, block_tables: np.ndarray, block_size: int,
+                    device: torch.device) -> list[PrefillGroup]:
+    groups = []
     row_of_token = np.repeat(np.arange(len(pq)), pq)
     fresh = pc == 0
     for rows, causal in ((np.flatnonzero(fresh), True), (np.flatnonzero(~fresh), False)):
@@ -77,10 +106,8 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
         tokens = None
         if len(rows) < len(pq):
             tokens = torch.from_numpy(np.flatnonzero(np.isin(row_of_token, rows))).to(device)
-        group = _padded_group(pq[rows], pc[rows], block_tables[num_decodes:][rows], tokens, causal, block_size,
-                              device)
-        meta.prefill_groups.append(group)
-    return meta
+        groups.append(_padded_group(pq[rows], pc[rows], block_tables[rows], tokens, causal, block_size, device))
+    return groups
 
 
 def _padded_group(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
@@ -147,25 +174,36 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if nd:
         parts.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_seq_lens, scale))
-    if meta.prefill_groups:
-        qp, kp, vp = q[nd:], k[nd:], v[nd:]
-        out = qp.new_empty(qp.shape) if len(meta.prefill_groups) > 1 else None
-        for g in meta.prefill_groups:  # one or two groups, whatever the number of requests
-            qg = qp if g.tokens is None else qp[g.tokens]
-            if g.gather is None:
-                kg = kp if g.tokens is None else kp[g.tokens]
-                vg = vp if g.tokens is None else vp[g.tokens]
-                res = F.scaled_dot_product_attention(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g),
-                                                     is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                keys = k_flat[g.gather].transpose(1, 2)  # [B, KVH, L, D]
-                values = v_flat[g.gather].transpose(1, 2)
-                res = F.scaled_dot_product_attention(_to_grid(qg, g), keys, values, attn_mask=g.mask, scale=scale,
-                                                     enable_gqa=gqa)
-            res = _from_grid(res, g)
-            if out is None:
-                out = res
-            else:
-                out[g.tokens] = res
-        parts.append(out)
+    if meta.num_prefills:
+        qp = q[nd:]
+        if prefill_kernel_supports(qp, k_cache, v_cache):
+            parts.append(paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables,
+                                                 meta.prefill_query_start, meta.prefill_seq_lens, scale))
+        else:
+            parts.append(_prefill_attention_torch(qp, k[nd:], v[nd:], k_flat, v_flat, meta.prefill_groups(), scale,
+                                                  gqa))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k_flat: torch.Tensor,
+                             v_flat: torch.Tensor, groups: list[PrefillGroup], scale: float, gqa: bool) -> torch.Tensor:
+    out = qp.new_empty(qp.shape) if len(groups) > 1 else None
+    for g in groups:  # one or two groups, whatever the number of requests
+        qg = qp if g.tokens is None else qp[g.tokens]
+        if g.gather is None:
+            kg = kp if g.tokens is None else kp[g.tokens]
+            vg = vp if g.tokens is None else vp[g.tokens]
+            res = F.scaled_dot_product_attention(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g),
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            keys = k_flat[g.gather].transpose(1, 2)  # [B, KVH, L, D]
+            values = v_flat[g.gather].transpose(1, 2)
+            res = F.scaled_dot_product_attention(_to_grid(qg, g), keys, values, attn_mask=g.mask, scale=scale,
+                                                 enable_gqa=gqa)
+        res = _from_grid(res, g)
+        if out is None:
+            out = res
+        else:
+            out[g.tokens] = res
+    assert out is not None
+    return out

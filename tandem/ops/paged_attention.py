@@ -1,7 +1,9 @@
-"""Paged decode attention: a compiled CPU kernel (``paged_attention.cpp``) with a pure-PyTorch fallback.
+"""Paged attention kernels (``paged_attention.cpp``: decode, ``paged_prefill.cpp``: prefill).
 
-``paged_decode_attention`` is the entry point. It uses the kernel when the extension is available
-(see ``tandem.ops.extension``) and the inputs suit it, and ``paged_decode_attention_torch`` otherwise.
+``paged_decode_attention`` uses the decode kernel when the extension is available (see
+``tandem.ops.extension``) and the inputs suit it, and ``paged_decode_attention_torch`` otherwise.
+``paged_prefill_attention`` is the kernel only: callers check ``prefill_kernel_supports`` and keep
+their own batched fallback (``tandem.model.attention`` builds it once per step, not per layer).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ def _fake_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 extension.register_fake("paged_decode_attention", _fake_decode)
 
 
+def _fake_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+extension.register_fake("paged_prefill_attention", _fake_prefill)
+
+
 def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
@@ -33,6 +43,33 @@ def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         and v_cache.is_contiguous()
         and not (torch.is_grad_enabled() and q.requires_grad)  # the kernel has no backward
     )
+
+
+def prefill_kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when paged_prefill_attention can serve these inputs (loads the extension if needed)."""
+    return _kernel_supports(q, k_cache, v_cache) and extension.op("paged_prefill_attention") is not None
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of several new tokens per sequence over their paged K/V (already written).
+
+    q: [T, H, D], sequence n's queries are rows query_start[n]:query_start[n + 1] (int32 [N + 1]);
+    seq_lens: int32 [N], context plus new tokens, so query i of sequence n is at position
+    seq_lens[n] - q_len + i and sees keys [0, that position]. block_tables: int32 [N, max_blocks].
+    Returns [T, H, D] in q's dtype. Requires prefill_kernel_supports(q, k_cache, v_cache).
+    """
+    op = extension.op("paged_prefill_attention")
+    if op is None:
+        raise RuntimeError(f"paged prefill kernel unavailable: {extension.extension_error() or 'disabled'}")
+    return op(q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale))
 
 
 def paged_decode_attention(

@@ -1,0 +1,376 @@
+// Building blocks of Tandem's paged attention kernels (decode and prefill): per-block q.k scores,
+// the online-softmax update, the weighted sum of V, software prefetch, and per-thread scratch.
+// See paged_attention.cpp for the design; everything here is inlined into the kernels' loops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#ifndef TANDEM_CHUNK_TOKENS
+#define TANDEM_CHUNK_TOKENS 256
+#endif
+#ifndef TANDEM_PF_LOCALITY
+#define TANDEM_PF_LOCALITY 2
+#endif
+#ifndef TANDEM_PREFETCH_AHEAD
+#define TANDEM_PREFETCH_AHEAD 2
+#endif
+
+
+namespace tandem_ops {
+namespace {
+
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query heads whose accumulators are held in registers at once (the group is walked in chunks).
+constexpr int kHeadChunk = 4;
+// Tokens per softmax chunk (rounded down to whole blocks).
+constexpr int64_t kChunkTokens = TANDEM_CHUNK_TOKENS;
+// How many block-steps (one block's K or V rows) the prefetch cursor runs ahead.
+constexpr int64_t kPrefetchAhead = TANDEM_PREFETCH_AHEAD;
+
+// p.V on bf16 pairs of tokens (dpbf16) is used for bf16 caches when the ISA has it.
+template <typename T>
+constexpr bool kPairV =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, bf16>;
+#else
+    false;
+#endif
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// =============================================================================================
+// AVX512 building blocks
+// =============================================================================================
+#if defined(__AVX512F__)
+
+// Lane t of the result is the horizontal sum of v[t]: a transpose-and-add tree, ~3 instructions
+// per input vector instead of ~8 for separate reductions.
+inline __m512 hsum16(const __m512 (&v)[16]) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0:0+2, v1:0+2, v0:1+3, v1:1+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum for 4 consecutive vectors
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 c[2];
+  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes 2,3 onto 0,1
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Unreduced q.k: a vector whose lanes sum to the dot product.
+template <typename T>
+TANDEM_INLINE __m512 dot_lanes(const float* q, const T* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+TANDEM_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
+  // dpbf16 multiplies bf16 pairs and accumulates in float: 32 products per instruction.
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+  if (i < d)  // d is a multiple of 16: one half-width tail with zeroed upper lanes
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, q + i),
+                           (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, k + i));
+  return acc;
+}
+#endif
+
+#endif  // __AVX512F__
+
+// The query operand is kept as float, except on the AVX512-BF16 path where the bf16 query feeds
+// dpbf16 directly.
+template <typename T>
+struct QueryType {
+  using type = float;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct QueryType<bf16> {
+  using type = bf16;
+};
+#endif
+
+// =============================================================================================
+// Per-block steps (each has a vector and a portable version)
+// =============================================================================================
+
+// Software prefetch of one region (rows of a block) spread over the computation: the kernel hands
+// it the region needed a few steps ahead and calls issue() between pieces of work, so each call
+// requests a few cache lines. A burst of prefetches would fill the miss buffers and stall the very
+// computation it should overlap. Prefetches go to L2 (T1), which measured best.
+struct Prefetcher {
+  const char* base = nullptr;
+  int64_t stride = 0, width = 0, rows = 0, row = 0, col = 0, quota = 0;
+
+  // Region: `rows` rows of `width` bytes, `stride` bytes apart, spread over ~`calls` issue() calls.
+  TANDEM_INLINE void set(const void* b, int64_t n_rows, int64_t stride_bytes, int64_t width_bytes, int64_t calls) {
+    flush();
+    base = static_cast<const char*>(b);
+    rows = n_rows;
+    row = col = 0;
+    if (width_bytes == stride_bytes) {  // contiguous rows: one range
+      width = width_bytes * n_rows;
+      rows = n_rows > 0 ? 1 : 0;
+    } else {
+      width = width_bytes;
+    }
+    stride = stride_bytes;
+    const int64_t lines = rows * ((width + 63) / 64);
+    quota = std::max<int64_t>(1, (lines + calls - 1) / std::max<int64_t>(1, calls));
+  }
+  TANDEM_INLINE void issue() { issue_n(quota); }
+  TANDEM_INLINE void flush() { issue_n(std::numeric_limits<int64_t>::max()); }
+  TANDEM_INLINE void issue_n(int64_t lines) {
+    for (; lines > 0 && row < rows; --lines) {
+      __builtin_prefetch(base + row * stride + col, 0, TANDEM_PF_LOCALITY);
+      col += 64;
+      if (col >= width) {
+        col = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// scores[g][t] = scale * q_g . k_t for the n (<= block size) rows of one kv head in a block.
+template <typename T, typename QT>
+TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_stride, int64_t n, int64_t d,
+                                float scale, float* scores, int64_t s_stride, Prefetcher& pf) {
+#if defined(__AVX512F__)
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t c = std::min<int64_t>(16, n - t0);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t)  // rows past n are not read (they may hold anything)
+        acc[t] = t < c ? dot_lanes(q + g * d, k + (t0 + t) * row_stride, d) : _mm512_setzero_ps();
+      _mm512_storeu_ps(scores + g * s_stride + t0, _mm512_mul_ps(hsum16(acc), sc));
+      pf.issue();
+    }
+  }
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = k + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const QT* qg = q + g * d;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d; ++i) acc += static_cast<float>(qg[i]) * static_cast<float>(kr[i]);
+      scores[g * s_stride + t] = acc * scale;
+    }
+    pf.issue();
+  }
+#endif
+}
+
+// Online-softmax update of one head with the scores of one chunk (masked ones are -inf; the first
+// chunk of a head must hold at least one unmasked score): rewrites the n scores as
+// weights exp(s - m_new) (zero past n, up to the next multiple of 16) and returns the factor by
+// which the head's accumulator must be rescaled.
+TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int64_t t = 0; t < n; t += 16)
+    vmax = _mm512_mask_max_ps(vmax, lane_mask(n - t), vmax, _mm512_loadu_ps(s + t));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int64_t t = 0; t < n; t += 16) {
+    // A masked score (-inf, a causal prefill's future key) gets weight exactly 0.
+    const __m512 sv = _mm512_loadu_ps(s + t);
+    const __mmask16 live = lane_mask(n - t) & _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, mv)));
+    _mm512_storeu_ps(s + t, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  const float total = _mm512_reduce_add_ps(sum);
+#else
+  float bm = kNegInf;
+  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
+  const float m_new = std::max(m, bm);
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m_new);
+    total += s[t];
+  }
+#endif
+  // First chunk: m is -inf and the accumulator is still zero, so the factor does not matter.
+  const float alpha = (m == kNegInf) ? 0.0f : std::exp(m - m_new);
+  l = l * alpha + total;
+  m = m_new;
+  return alpha;
+}
+
+#if defined(__AVX512F__)
+// acc[g] += sum_t p[g][t] * v[t] over the n rows of one block, for GB heads (compile-time, so the
+// accumulators stay in registers). acc rows are `acc_stride` floats.
+template <int GB, typename T>
+TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const T* v,
+                                    int64_t n, int64_t row_stride, int64_t d, Prefetcher& pf) {
+  for (int64_t i = 0; i < d; i += 16) {
+    __m512 a[GB];
+    for (int g = 0; g < GB; ++g) a[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 vv = load16(v + t * row_stride + i);
+      for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
+    }
+    for (int g = 0; g < GB; ++g) _mm512_storeu_ps(acc + g * acc_stride + i, a[g]);
+    pf.issue();
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// bf16 p.V with dpbf16 on token pairs (t, t+1): the V rows are interleaved 16 bits at a time, so
+// each 32-bit lane holds (v[t][j], v[t+1][j]) and multiplies the broadcast pair (p[t], p[t+1]).
+// unpacklo/hi work within 128-bit lanes, so for each 32-wide chunk of D the two accumulators hold
+//   lo lane 4k+j -> dim 8k+j,   hi lane 4k+j -> dim 8k+4+j      (k = 0..3, j = 0..3)
+// which unpermute_acc() turns back into natural order at the end of the item. pb holds p as bf16.
+template <int GB>
+TANDEM_INLINE void accumulate_v_pairs(float* acc, int64_t acc_stride, const uint16_t* pb, int64_t p_stride,
+                                      const bf16* v, int64_t n, int64_t row_stride, int64_t d, Prefetcher& pf) {
+  for (int64_t i = 0; i < d; i += 32) {
+    const __mmask32 width = d - i >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+    __m512 lo[GB], hi[GB];
+    for (int g = 0; g < GB; ++g) {
+      lo[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
+      hi[g] = _mm512_loadu_ps(acc + g * acc_stride + i + 16);
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      const bool odd = t + 1 == n;
+      const __m512i r0 = _mm512_maskz_loadu_epi16(width, v + t * row_stride + i);
+      // An odd count's last token pairs with zeros (the next row may hold anything, even NaN) and
+      // a zero weight (the next weight belongs to the next block).
+      const __m512i r1 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(width, v + (t + 1) * row_stride + i);
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+      const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+      for (int g = 0; g < GB; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, pb + g * p_stride + t, sizeof(pair));
+        if (odd) pair &= 0xFFFFu;
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        lo[g] = _mm512_dpbf16_ps(lo[g], pp, vlo);
+        hi[g] = _mm512_dpbf16_ps(hi[g], pp, vhi);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm512_storeu_ps(acc + g * acc_stride + i, lo[g]);
+      _mm512_storeu_ps(acc + g * acc_stride + i + 16, hi[g]);
+    }
+    pf.issue();
+  }
+}
+
+// Undo the lane order of accumulate_v_pairs for one head, in place (acc has round_up(d, 32) floats).
+inline void unpermute_acc(float* acc, int64_t d) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < d; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + i), hi = _mm512_loadu_ps(acc + i + 16);
+    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(lo, idx0, hi));
+    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(lo, idx1, hi));
+  }
+}
+#endif
+
+// p.V over one block for the G heads of one kv head; chunks of up to kHeadChunk heads go to the
+// register-blocked versions above.
+template <typename T>
+TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float* p, [[maybe_unused]] const uint16_t* pb,
+                                    int64_t p_stride, const T* v, int64_t n, int64_t row_stride, int64_t G,
+                                    int64_t d, Prefetcher& pf) {
+#if defined(__AVX512F__)
+  if constexpr (kPairV<T>) {
+#if defined(__AVX512BF16__)
+    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
+      float* a = acc + g0 * acc_stride;
+      const uint16_t* pg = pb + g0 * p_stride;
+      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
+        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+      }
+    }
+#endif
+  } else {
+    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
+      float* a = acc + g0 * acc_stride;
+      const float* pg = p + g0 * p_stride;
+      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
+        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
+      }
+    }
+  }
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float* ag = acc + g * acc_stride;
+      const float pg = p[g * p_stride + t];
+      for (int64_t i = 0; i < d; ++i) ag[i] += pg * static_cast<float>(vt[i]);
+    }
+    pf.issue();
+  }
+#endif
+}
+
+// Scores as bf16 weights for the pair path (lanes past n are already zero).
+TANDEM_INLINE void weights_to_bf16(const float* p, uint16_t* pb, int64_t n) {
+#if defined(__AVX512BF16__)
+  for (int64_t t = 0; t < n; t += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
+#else
+  for (int64_t t = 0; t < n; ++t) pb[t] = c10::BFloat16(p[t]).x;
+#endif
+}
+
+// =============================================================================================
+// Per-thread scratch
+// =============================================================================================
+template <typename T>
+struct Scratch {
+  std::vector<typename QueryType<T>::type> q;  // [heads of the item, D]
+  std::vector<float> scores;                   // [heads of the item, s_stride]: one chunk's scores
+  std::vector<uint16_t> pb;                    // the same as bf16 weights (pair path)
+  std::vector<float> acc, m, l;                // [heads of the item, acc_stride], [heads], [heads]
+  int64_t s_stride, acc_stride;
+  Scratch(int64_t h, int64_t d, int64_t chunk_tokens)
+      : q(h * d),
+        scores(h * round_up(chunk_tokens + 16, 16), 0.0f),
+        pb(h * round_up(chunk_tokens + 16, 16) + 2, 0),
+        acc(h * round_up(d, 32)),
+        m(h),
+        l(h),
+        s_stride(round_up(chunk_tokens + 16, 16)),  // +16: a block's 16-wide score store may overhang
+        acc_stride(round_up(d, 32)) {}
+};
+
+// Blocks per chunk: the softmax max/sum bookkeeping runs once per chunk rather than per block.
+inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
+
+}  // namespace
+}  // namespace tandem_ops
