@@ -41,7 +41,7 @@ constexpr int64_t kPrefetchAhead = TANDEM_PREFETCH_AHEAD;
 // p.V on bf16 pairs of tokens (dpbf16) is used for bf16 caches when the ISA has it.
 template <typename T>
 constexpr bool kPairV =
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
     std::is_same_v<T, bf16>;
 #else
     false;
@@ -80,7 +80,7 @@ TANDEM_INLINE __m512 dot_lanes(const float* q, const T* k, int64_t d) {
   return acc;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
 TANDEM_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
   // dpbf16 multiplies bf16 pairs and accumulates in float: 32 products per instruction.
   __m512 acc = _mm512_setzero_ps();
@@ -102,7 +102,7 @@ template <typename T>
 struct QueryType {
   using type = float;
 };
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
 template <>
 struct QueryType<bf16> {
   using type = bf16;
@@ -240,7 +240,7 @@ TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float*
 }
 #endif
 
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
 // bf16 p.V with dpbf16 on token pairs (t, t+1): the V rows are interleaved 16 bits at a time, so
 // each 32-bit lane holds (v[t][j], v[t+1][j]) and multiplies the broadcast pair (p[t], p[t+1]).
 // unpacklo/hi work within 128-bit lanes, so for each 32-wide chunk of D the two accumulators hold
@@ -301,7 +301,7 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
                                     int64_t d, Prefetcher& pf) {
 #if defined(__AVX512F__)
   if constexpr (kPairV<T>) {
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
     for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
       float* a = acc + g0 * acc_stride;
       const uint16_t* pg = pb + g0 * p_stride;
@@ -340,7 +340,7 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
 
 // Scores as bf16 weights for the pair path (lanes past n are already zero).
 TANDEM_INLINE void weights_to_bf16(const float* p, uint16_t* pb, int64_t n) {
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
   for (int64_t t = 0; t < n; t += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
 #else

@@ -163,7 +163,7 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
     }
   }
 
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
   if constexpr (kPairV<T>)
     for (int64_t h = 0; h < nh; ++h) unpermute_acc(S.acc.data() + h * AS, D);
 #endif
@@ -358,7 +358,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 // Which code path was compiled in (shown by the build script and the benchmark).
 std::string isa() {
-#if defined(__AVX512BF16__)
+#if defined(TANDEM_DPBF16)
   return "avx512-bf16";
 #elif defined(__AVX512F__)
   return "avx512f";

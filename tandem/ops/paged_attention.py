@@ -8,6 +8,8 @@ their own batched fallback (``tandem.model.attention`` builds it once per step, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tandem.ops import extension
@@ -46,8 +48,15 @@ def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when paged_prefill_attention can serve these inputs (loads the extension if needed)."""
-    return _kernel_supports(q, k_cache, v_cache) and extension.op("paged_prefill_attention") is not None
+    """True when paged_prefill_attention can serve these inputs (loads the extension if needed).
+    The prefill kernel is AVX512-only; a portable build leaves prefill to the caller's fallback."""
+    return (_kernel_supports(q, k_cache, v_cache) and extension.op("paged_prefill_attention") is not None
+            and _built_with_avx512())
+
+
+@functools.cache
+def _built_with_avx512() -> bool:
+    return extension.extension_isa() in ("avx512f", "avx512-bf16")
 
 
 def paged_prefill_attention(

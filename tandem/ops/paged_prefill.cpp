@@ -8,13 +8,14 @@
 // table, and the causal limit is applied to the scores of the blocks that cross the diagonal.
 //
 // Unlike decode this is compute-bound, so the design is about reuse: a work item is (sequence,
-// kv head, tile of up to kQueryTile queries), and the tile's queries times the query heads that
-// share the kv head form one set of rows that every K/V row of the block is used for while it is
-// in L1. The per-block steps (q.k scores, online softmax over chunks, p.V with dpbf16) are the
-// decode kernel's (attention_blocks.h). Items are handed out longest-first from a shared counter.
+// kv head, 16 query rows), a row being one query and one of the query heads that share the kv
+// head, and every K/V element the item reads is used for all 16 rows at once (one vector). Items
+// are handed out longest-first from a shared counter. AVX512 only: elsewhere the caller uses its
+// PyTorch fallback (see prefill_kernel_supports).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include "attention_blocks.h"
@@ -27,12 +28,8 @@
 namespace tandem_ops {
 namespace {
 
-// Queries per work item: tile rows = kQueryTile * group; scores of a chunk for all rows stay in L2.
-constexpr int64_t kQueryTile = 16;
-
-struct PrefillItem {
-  int32_t seq;
-  int32_t kvh;
+struct PrefillItemAmx {
+  int32_t seq, kvh;
   int32_t q0, q1;  // queries [q0, q1) of the sequence
 };
 
@@ -47,70 +44,6 @@ struct PrefillParams {
   int64_t max_blocks, bs, kvh, heads, group, d;
   float scale;
 };
-
-template <typename T, int DC>
-void run_prefill_item(const PrefillParams& P, const PrefillItem& it, Scratch<T>& S) {
-  const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
-  const int64_t row_stride = P.kvh * D, block_stride = BS * row_stride;
-  const int64_t AS = S.acc_stride, SS = S.s_stride, CB = chunk_blocks(BS);
-  const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
-  const int64_t context = P.seq_lens[it.seq] - q_len;
-  const int64_t first_pos = context + it.q0;          // position of the tile's first query
-  const int64_t n_keys = context + it.q1;             // the last query sees keys [0, n_keys)
-  const int64_t rows = (it.q1 - it.q0) * G;           // row r: query q0 + r / G, head kvh * G + r % G
-  const int64_t n_blocks = (n_keys + BS - 1) / BS;
-  const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
-  const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
-  const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
-
-  for (int64_t i = it.q0; i < it.q1; ++i) {
-    const T* src = static_cast<const T*>(P.q) + ((qs + i) * P.heads + it.kvh * G) * D;
-    auto* dst = S.q.data() + (i - it.q0) * G * D;
-    for (int64_t j = 0; j < G * D; ++j) dst[j] = static_cast<typename QueryType<T>::type>(src[j]);
-  }
-  std::fill_n(S.acc.begin(), rows * AS, 0.0f);
-  std::fill_n(S.m.begin(), rows, kNegInf);
-  std::fill_n(S.l.begin(), rows, 0.0f);
-  Prefetcher pf;  // idle: the keys of a compute-bound tile are reused from cache
-
-  for (int64_t c0 = 0; c0 < n_blocks; c0 += CB) {
-    const int64_t c1 = std::min(n_blocks, c0 + CB);
-    const int64_t key0 = c0 * BS, ntok = std::min(n_keys, c1 * BS) - key0;
-    for (int64_t b = c0, off = 0; b < c1; ++b) {
-      const int64_t n = std::min(BS, n_keys - b * BS);
-      block_scores(S.q.data(), rows, kbase + bt[b] * block_stride, row_stride, n, D, P.scale, S.scores.data() + off,
-                   SS, pf);
-      off += n;
-    }
-    if (key0 + ntok - 1 > first_pos) {  // the chunk crosses the diagonal: hide each row's future keys
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t visible = std::clamp<int64_t>(first_pos + r / G + 1 - key0, 0, ntok);  // keys row r sees
-        std::fill(S.scores.data() + r * SS + visible, S.scores.data() + r * SS + ntok, kNegInf);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float alpha = softmax_update(S.scores.data() + r * SS, ntok, S.m[r], S.l[r]);
-      if (alpha != 1.0f)
-        for (int64_t i = 0; i < AS; ++i) S.acc[r * AS + i] *= alpha;
-      if constexpr (kPairV<T>) weights_to_bf16(S.scores.data() + r * SS, S.pb.data() + r * SS, ntok);
-    }
-    for (int64_t b = c0, off = 0; b < c1; ++b) {
-      const int64_t n = std::min(BS, n_keys - b * BS);
-      block_accumulate(S.acc.data(), AS, S.scores.data() + off, S.pb.data() + off, SS, vbase + bt[b] * block_stride,
-                       n, row_stride, rows, D, pf);
-      off += n;
-    }
-  }
-
-  for (int64_t r = 0; r < rows; ++r) {
-#if defined(__AVX512BF16__)
-    if constexpr (kPairV<T>) unpermute_acc(S.acc.data() + r * AS, D);
-#endif
-    T* dst = static_cast<T*>(P.out) + ((qs + it.q0 + r / G) * P.heads + it.kvh * G + r % G) * D;
-    const float inv = S.l[r] > 0.0f ? 1.0f / S.l[r] : 0.0f;
-    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(S.acc[r * AS + i] * inv);
-  }
-}
 
 // Checks the host-side metadata (cheap next to the attention) so a bad entry raises instead of
 // reading outside the pool.
@@ -129,56 +62,20 @@ void validate(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
   }
 }
 
-template <typename T>
-void run_prefill(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
-  validate(P, n_seqs, num_blocks);
-  std::vector<PrefillItem> items;
-  for (int64_t s = 0; s < n_seqs; ++s) {
-    const int64_t q_len = P.query_start[s + 1] - P.query_start[s];
-    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile)
-      for (int64_t h = 0; h < P.kvh; ++h)
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(q0),
-                         static_cast<int32_t>(std::min(q_len, q0 + kQueryTile))});
-  }
-  // Longest first (work ~ queries x keys seen), so the threads finish together.
-  auto work = [&](const PrefillItem& a) {
-    const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
-    return static_cast<int64_t>(a.q1 - a.q0) * (context + a.q1);
-  };
-  std::stable_sort(items.begin(), items.end(), [&](const PrefillItem& a, const PrefillItem& b) { return work(a) > work(b); });
-
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
-  auto item_fn = P.d == 64 ? &run_prefill_item<T, 64> : P.d == 128 ? &run_prefill_item<T, 128> : &run_prefill_item<T, 0>;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<T> scratch(kQueryTile * P.group, P.d, chunk_blocks(P.bs) * P.bs);
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      item_fn(P, items[i], scratch);
-  });
-}
-
-
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // =============================================================================================
-// bf16 with AVX512-BF16: 16 query rows per vector
+// AVX512: 16 query rows per vector
 // =============================================================================================
 // The generic item above computes q.k one row at a time and reduces across lanes. Here the lanes
-// are 16 query rows instead: q is transposed once per item into d-pairs x 16 rows, so q.k for one
-// key is D/2 dpbf16 with the key's d-pair broadcast straight from the pool (no transpose of K, no
-// horizontal sums), the online softmax is elementwise over keys (max, exp and sums per lane), and
-// p.V accumulates the transposed output [D][16 rows] with the weights of two keys per dpbf16 and
-// the values' matching pair broadcast. Work per (row, key) is ~4 dpbf16 and as many loads.
+// are 16 query rows instead: q is transposed once per item into [D][16 rows], so q.k for one key
+// is D FMAs with the key's elements broadcast from memory (no horizontal sums), the online softmax
+// is elementwise over keys (max, exp and sums per lane), and p.V accumulates the transposed output
+// [D][16 rows] with each value element broadcast. The math is float32 FMA whatever the storage:
+// on the CPUs measured, dpbf16 issues at a quarter of the FMA rate, so it does half the work per
+// cycle. Keys and values are widened once per item and chunk, into buffers that stay in L1.
 
-constexpr int64_t kKeyChunk = 128;  // keys per online-softmax update
-
-// A 32-bit pair broadcast from memory: a load-port-only broadcast (set1 of a loaded value would go
-// through a general register and the shuffle port, which the dpbf16 stream then waits on).
-TANDEM_INLINE __m512bh bcast_pair(const uint32_t* p) {
-  return (__m512bh)_mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(p))));
-}
-constexpr int64_t kKeyGroup = 8;    // keys whose scores are accumulated at once (independent chains)
+constexpr int64_t kKeyChunk = 64;  // keys per online-softmax update
+constexpr int64_t kKeyGroup = 8;   // keys whose scores are accumulated at once (independent chains)
 
 struct TileItem {
   int32_t seq, kvh;
@@ -186,62 +83,58 @@ struct TileItem {
 };
 
 struct TileScratch {
-  std::vector<uint32_t> qv;  // [D/2][16]: the rows' query d-pairs, transposed
-  std::vector<float> st;     // [kKeyChunk][16]: a chunk's scores, then weights
-  std::vector<uint32_t> pp;  // [kKeyChunk/2][16]: weights of key pairs as bf16 pairs
-  std::vector<uint32_t> vv;  // [kKeyChunk/2][D]: values of key pairs as bf16 pairs
-  std::vector<float> o;      // [D][16]: output accumulators, transposed
+  std::vector<float> qf;  // [D][16]: the rows' queries, transposed
+  std::vector<float> kf;  // [kKeyGroup][D]: keys being scored, widened
+  std::vector<float> st;  // [kKeyChunk][16]: a chunk's scores, then weights
+  std::vector<float> vf;  // [kKeyChunk][D]: the chunk's values, widened
+  std::vector<float> o;   // [D][16]: output accumulators, transposed
   explicit TileScratch(int64_t d)
-      : qv(d / 2 * 16), st(kKeyChunk * 16), pp(kKeyChunk / 2 * 16), vv(kKeyChunk / 2 * d), o(d * 16) {}
+      : qf(d * 16), kf(kKeyGroup * d), st(kKeyChunk * 16), vf(kKeyChunk * d), o(d * 16) {}
 };
 
-template <int DC>
-void run_tile_bf16(const PrefillParams& P, const TileItem& it, TileScratch& S) {
-  const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs, DP = D / 2;
+template <typename T>
+TANDEM_INLINE void widen_row(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+}
+
+template <typename T, int DC>
+void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
+  const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
   const int64_t row_stride = P.kvh * D, block_stride = BS * row_stride;
   const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
   const int64_t context = P.seq_lens[it.seq] - q_len;
   const int64_t first_pos = context + it.r0 / G, n_keys = context + (it.r0 + it.nr - 1) / G + 1;
   const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
-  const bf16* kbase = static_cast<const bf16*>(P.k) + it.kvh * D;
-  const bf16* vbase = static_cast<const bf16*>(P.v) + it.kvh * D;
-  auto key_row = [&](const bf16* base, int64_t t) { return base + bt[t / BS] * block_stride + (t % BS) * row_stride; };
+  const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
+  const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
+  auto key_row = [&](const T* base, int64_t t) { return base + bt[t / BS] * block_stride + (t % BS) * row_stride; };
 
   alignas(64) int32_t pos[16];
-  std::fill(S.qv.begin(), S.qv.end(), 0u);
+  std::fill(S.qf.begin(), S.qf.end(), 0.0f);
   for (int64_t r = 0; r < 16; ++r) {
     const int64_t row = it.r0 + std::min<int64_t>(r, it.nr - 1);  // padding lanes repeat the last row's position
     pos[r] = static_cast<int32_t>(context + row / G);
     if (r >= it.nr) continue;
-    const auto* src = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(P.q) +
-                                                        ((qs + row / G) * P.heads + it.kvh * G + row % G) * D);
-    for (int64_t dp = 0; dp < DP; ++dp) S.qv[dp * 16 + r] = src[dp];
+    const T* src = static_cast<const T*>(P.q) + ((qs + row / G) * P.heads + it.kvh * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) S.qf[d * 16 + r] = static_cast<float>(src[d]);
   }
   const __m512i posv = _mm512_loadu_si512(pos);
   const __m512 scale = _mm512_set1_ps(P.scale), neg_inf = _mm512_set1_ps(kNegInf);
-  // Interleave two 16-wide bf16 halves into pairs; and two 32-wide rows into pairs (lo, hi halves).
-  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   __m512 m = neg_inf, l = _mm512_setzero_ps();
-  std::fill(S.o.begin(), S.o.begin() + D * 16, 0.0f);
+  std::fill(S.o.begin(), S.o.end(), 0.0f);
 
   for (int64_t key0 = 0; key0 < n_keys; key0 += kKeyChunk) {
     const int64_t nt = std::min(kKeyChunk, n_keys - key0);
     // q.k: scores of 16 rows per key, kKeyGroup keys at a time.
     for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup) {
-      const uint32_t* kp[kKeyGroup];
       for (int64_t j = 0; j < kKeyGroup; ++j)  // past the chunk: any valid row, never stored
-        kp[j] = reinterpret_cast<const uint32_t*>(key_row(kbase, key0 + std::min(j0 + j, nt - 1)));
+        widen_row(key_row(kbase, key0 + std::min(j0 + j, nt - 1)), S.kf.data() + j * D, D);
       __m512 acc[kKeyGroup];
       for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int64_t dp = 0; dp < DP; ++dp) {
-        const __m512bh qd = (__m512bh)_mm512_loadu_si512(S.qv.data() + dp * 16);
-        for (int64_t j = 0; j < kKeyGroup; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], qd, bcast_pair(kp[j] + dp));
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 qd = _mm512_loadu_ps(S.qf.data() + d * 16);
+        for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(S.kf[j * D + d]), acc[j]);
       }
       for (int64_t j = 0; j < kKeyGroup && j0 + j < nt; ++j) {
         const int64_t t = key0 + j0 + j;
@@ -264,33 +157,16 @@ void run_tile_bf16(const PrefillParams& P, const TileItem& it, TileScratch& S) {
     }
     l = _mm512_fmadd_ps(l, alpha, sum);
     m = m_new;
-    for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(S.o.data() + d * 16, _mm512_mul_ps(_mm512_loadu_ps(S.o.data() + d * 16), alpha));
-    // Weights and values of key pairs (t, t + 1) as bf16 pairs; an odd last key pairs with zeros.
-    const int64_t npairs = (nt + 1) / 2;
-    for (int64_t tp = 0; tp < npairs; ++tp) {
-      const bool odd = 2 * tp + 1 == nt;
-      const __m512 a = _mm512_loadu_ps(S.st.data() + 2 * tp * 16);
-      const __m512 b = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(S.st.data() + (2 * tp + 1) * 16);
-      _mm512_storeu_si512(S.pp.data() + tp * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
-      const bf16* v0 = key_row(vbase, key0 + 2 * tp);
-      const bf16* v1 = odd ? nullptr : key_row(vbase, key0 + 2 * tp + 1);
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i x0 = _mm512_loadu_si512(v0 + d);
-        const __m512i x1 = odd ? _mm512_setzero_si512() : _mm512_loadu_si512(v1 + d);
-        _mm512_storeu_si512(S.vv.data() + tp * D + d, _mm512_permutex2var_epi16(x0, lo_idx, x1));
-        _mm512_storeu_si512(S.vv.data() + tp * D + d + 16, _mm512_permutex2var_epi16(x0, hi_idx, x1));
-      }
-    }
-    // p.V into the transposed output, 16 dims at a time.
+    for (int64_t t = 0; t < nt; ++t) widen_row(key_row(vbase, key0 + t), S.vf.data() + t * D, D);
+    // p.V into the transposed output, 16 dims at a time (the rescale by alpha folded into the load).
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_loadu_ps(S.o.data() + (d0 + i) * 16);
-      for (int64_t tp = 0; tp < npairs; ++tp) {
-        const __m512bh pw = (__m512bh)_mm512_loadu_si512(S.pp.data() + tp * 16);
-        const uint32_t* vp = S.vv.data() + tp * D + d0;
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(S.o.data() + (d0 + i) * 16), alpha);
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m512 pw = _mm512_loadu_ps(S.st.data() + t * 16);
+        const float* vt = S.vf.data() + t * D + d0;
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], pw, bcast_pair(vp + i));
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(pw, _mm512_set1_ps(vt[i]), acc[i]);
       }
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(S.o.data() + (d0 + i) * 16, acc[i]);
     }
@@ -300,12 +176,13 @@ void run_tile_bf16(const PrefillParams& P, const TileItem& it, TileScratch& S) {
   _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
   for (int64_t r = 0; r < it.nr; ++r) {
     const int64_t row = it.r0 + r;
-    bf16* dst = static_cast<bf16*>(P.out) + ((qs + row / G) * P.heads + it.kvh * G + row % G) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(S.o[d * 16 + r] * inv[r]);
+    T* dst = static_cast<T*>(P.out) + ((qs + row / G) * P.heads + it.kvh * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(S.o[d * 16 + r] * inv[r]);
   }
 }
 
-void run_prefill_tiles_bf16(const PrefillParams& P, int64_t n_seqs) {
+template <typename T>
+void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
   std::vector<TileItem> items;
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t rows = (P.query_start[s + 1] - P.query_start[s]) * P.group;
@@ -321,7 +198,7 @@ void run_prefill_tiles_bf16(const PrefillParams& P, int64_t n_seqs) {
   std::stable_sort(items.begin(), items.end(), [&](const TileItem& a, const TileItem& b) { return work(a) > work(b); });
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
-  auto item_fn = P.d == 64 ? &run_tile_bf16<64> : P.d == 128 ? &run_tile_bf16<128> : &run_tile_bf16<0>;
+  auto item_fn = P.d == 64 ? &run_tile<T, 64> : P.d == 128 ? &run_tile<T, 128> : &run_tile<T, 0>;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     TileScratch scratch(P.d);
@@ -330,7 +207,169 @@ void run_prefill_tiles_bf16(const PrefillParams& P, int64_t n_seqs) {
       item_fn(P, items[i], scratch);
   });
 }
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
+
+
+#if defined(__AVX512F__)
+// =============================================================================================
+// bf16 on AMX: the two matmuls of a tile as brgemm calls (oneDNN's micro-kernels, as PyTorch's
+// own CPU flash attention uses), the online softmax between them on AVX512.
+// =============================================================================================
+// A work item is (sequence, kv head, kAmxQueries queries): its M = kAmxQueries x group rows are one
+// matrix A for both products. Keys go in chunks of kAmxKeys: S = Q K^T (M x kAmxKeys), the softmax
+// update turns S into bf16 weights P, and O += P V (M x D). brgemm takes B in VNNI layout (pairs
+// along the reduction dimension interleaved), so a pre-pass packs each chunk's K^T and V once per
+// call, shared by every item of the sequence, instead of once per item.
+
+constexpr int64_t kAmxKeys = 64;     // keys per chunk: N of S = Q K^T, K of O += P V
+constexpr int64_t kAmxQueries = 16;  // queries per item
+
+bool amx_usable(int64_t d) { return d % 32 == 0 && d <= 128 && at::native::cpublas::could_pack(at::kBFloat16); }
+
+// Chunk c of sequence s, kv head h: K^T as [D/2][kAmxKeys] bf16 pairs, V as [kAmxKeys/2][D] bf16
+// pairs; keys past the sequence are zero (and masked, being in every query's future).
+void pack_chunk(const PrefillParams& P, int64_t s, int64_t c, int64_t h, uint32_t* kp, uint32_t* vp) {
+  const int64_t D = P.d, DP = D / 2, BS = P.bs, row_stride = P.kvh * D;
+  const int64_t key0 = c * kAmxKeys, nt = std::min<int64_t>(kAmxKeys, P.seq_lens[s] - key0);
+  const int32_t* bt = P.block_tables + s * P.max_blocks;
+  const bf16* k = static_cast<const bf16*>(P.k) + h * D;
+  const bf16* v = static_cast<const bf16*>(P.v) + h * D;
+  auto row = [&](const bf16* base, int64_t t) { return base + (bt[t / BS] * BS + t % BS) * row_stride; };
+  for (int64_t t = 0; t < kAmxKeys; ++t) {
+    const auto* kr = reinterpret_cast<const uint32_t*>(row(k, key0 + std::min(t, nt - 1)));
+    for (int64_t dp = 0; dp < DP; ++dp) kp[dp * kAmxKeys + t] = t < nt ? kr[dp] : 0u;
+  }
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t tp = 0; tp < kAmxKeys / 2; ++tp) {
+    const int64_t t0 = 2 * tp, t1 = t0 + 1;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i x0 = t0 < nt ? _mm512_loadu_si512(row(v, key0 + t0) + d) : _mm512_setzero_si512();
+      const __m512i x1 = t1 < nt ? _mm512_loadu_si512(row(v, key0 + t1) + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + tp * D + d, _mm512_permutex2var_epi16(x0, lo_idx, x1));
+      _mm512_storeu_si512(vp + tp * D + d + 16, _mm512_permutex2var_epi16(x0, hi_idx, x1));
+    }
+  }
+}
+
+struct AmxScratch {
+  std::vector<bf16> q;    // [M][D]
+  std::vector<float> s;   // [M][kAmxKeys]
+  std::vector<bf16> p;    // [M][kAmxKeys]
+  std::vector<float> o;   // [M][D]
+  std::vector<float> m, l;
+  AmxScratch(int64_t rows, int64_t d) : q(rows * d), s(rows * kAmxKeys), p(rows * kAmxKeys), o(rows * d), m(rows), l(rows) {}
+};
+
+void run_amx_item(const PrefillParams& P, const PrefillItemAmx& it, const uint32_t* kp_seq, const uint32_t* vp_seq,
+                  AmxScratch& S) {
+  const int64_t G = P.group, D = P.d, H = P.heads;
+  const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
+  const int64_t context = P.seq_lens[it.seq] - q_len;
+  const int64_t M = (it.q1 - it.q0) * G, n_keys = context + it.q1, first_pos = context + it.q0;
+  const int64_t chunk_elems = D * kAmxKeys / 2;  // uint32 pairs per packed chunk (K^T or V)
+  for (int64_t r = 0; r < M; ++r) {
+    const bf16* src = static_cast<const bf16*>(P.q) + ((qs + it.q0 + r / G) * H + it.kvh * G + r % G) * D;
+    std::copy_n(src, D, S.q.data() + r * D);
+  }
+  std::fill_n(S.o.begin(), M * D, 0.0f);
+  std::fill_n(S.m.begin(), M, kNegInf);
+  std::fill_n(S.l.begin(), M, 0.0f);
+  const __m512 scale = _mm512_set1_ps(P.scale), neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+  for (int64_t c = 0; c * kAmxKeys < n_keys; ++c) {
+    const int64_t key0 = c * kAmxKeys;
+    const uint32_t* kp = kp_seq + (c * P.kvh + it.kvh) * chunk_elems;
+    const uint32_t* vp = vp_seq + (c * P.kvh + it.kvh) * chunk_elems;
+    at::native::cpublas::brgemm(M, kAmxKeys, D, D, kAmxKeys, kAmxKeys, false, S.q.data(),
+                                reinterpret_cast<const bf16*>(kp), S.s.data(), true);
+    for (int64_t r = 0; r < M; ++r) {
+      float* sr = S.s.data() + r * kAmxKeys;
+      const int64_t pos = first_pos + r / G;
+      __m512 v[kAmxKeys / 16];
+      __m512 vmax = neg_inf;
+      for (int64_t j = 0; j < kAmxKeys / 16; ++j) {
+        v[j] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * j), scale);
+        if (key0 + 16 * j + 15 > pos) {  // keys past the row's position are masked
+          const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + 16 * j)));
+          v[j] = _mm512_mask_mov_ps(v[j], _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int>(pos))), neg_inf);
+        }
+        vmax = _mm512_max_ps(vmax, v[j]);
+      }
+      const float m_new = std::max(S.m[r], _mm512_reduce_max_ps(vmax));  // finite: key 0 is always visible
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      bf16* pr = S.p.data() + r * kAmxKeys;
+      for (int64_t j = 0; j < kAmxKeys / 16; ++j) {
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[j], neg_inf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(v[j], mv)));
+        sum = _mm512_add_ps(sum, e);
+        store16(pr + 16 * j, e);
+      }
+      const float alpha = S.m[r] == kNegInf ? 0.0f : std::exp(S.m[r] - m_new);
+      S.l[r] = S.l[r] * alpha + _mm512_reduce_add_ps(sum);
+      S.m[r] = m_new;
+      if (alpha != 1.0f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(S.o.data() + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(S.o.data() + r * D + d), av));
+      }
+    }
+    at::native::cpublas::brgemm(M, D, kAmxKeys, kAmxKeys, D, D, true, S.p.data(), reinterpret_cast<const bf16*>(vp),
+                                S.o.data(), true);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    bf16* dst = static_cast<bf16*>(P.out) + ((qs + it.q0 + r / G) * H + it.kvh * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(1.0f / S.l[r]);
+    for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(S.o.data() + r * D + d), inv));
+  }
+}
+
+void run_prefill_amx(const PrefillParams& P, int64_t n_seqs) {
+  const int64_t chunk_elems = P.d * kAmxKeys / 2;
+  std::vector<int64_t> chunk0(n_seqs + 1, 0);  // first packed chunk of each sequence
+  for (int64_t s = 0; s < n_seqs; ++s) chunk0[s + 1] = chunk0[s] + (P.seq_lens[s] + kAmxKeys - 1) / kAmxKeys;
+  std::vector<uint32_t> kp(chunk0[n_seqs] * P.kvh * chunk_elems), vp(kp.size());
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (sequence, chunk)
+  for (int64_t s = 0; s < n_seqs; ++s)
+    for (int64_t c = 0; c < chunk0[s + 1] - chunk0[s]; ++c) chunks.emplace_back(s, c);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const auto [s, c] = chunks[i];
+      for (int64_t h = 0; h < P.kvh; ++h) {
+        const int64_t off = ((chunk0[s] + c) * P.kvh + h) * chunk_elems;
+        pack_chunk(P, s, c, h, kp.data() + off, vp.data() + off);
+      }
+    }
+  });
+
+  std::vector<PrefillItemAmx> items;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t q_len = P.query_start[s + 1] - P.query_start[s];
+    for (int64_t q0 = 0; q0 < q_len; q0 += kAmxQueries)
+      for (int64_t h = 0; h < P.kvh; ++h)
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(q0),
+                         static_cast<int32_t>(std::min(q_len, q0 + kAmxQueries))});
+  }
+  auto work = [&](const PrefillItemAmx& a) {
+    return (P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]) + a.q1) * (a.q1 - a.q0);
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const PrefillItemAmx& a, const PrefillItemAmx& b) { return work(a) > work(b); });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    AmxScratch scratch(kAmxQueries * P.group, P.d);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const PrefillItemAmx& it = items[i];
+      const int64_t off = chunk0[it.seq] * P.kvh * chunk_elems;
+      run_amx_item(P, it, kp.data() + off, vp.data() + off, scratch);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+#endif  // __AVX512F__
 
 }  // namespace
 
@@ -377,20 +416,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   P.group = H / KVH;
   P.d = D;
   P.scale = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    run_prefill<float>(P, N, k_cache.size(0));
-  } else if (q.scalar_type() == at::kBFloat16) {
-#if defined(__AVX512BF16__)
-    if (D % 32 == 0) {
-      validate(P, N, k_cache.size(0));
-      run_prefill_tiles_bf16(P, N);
-      return out;
-    }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  validate(P, N, k_cache.size(0));
+#if defined(__AVX512F__)
+  if (q.scalar_type() == at::kFloat)
+    run_prefill_tiles<float>(P, N);
+  else if (amx_usable(D))
+    run_prefill_amx(P, N);
+  else
+    run_prefill_tiles<bf16>(P, N);
+#else
+  TORCH_CHECK(false, "paged_prefill_attention: this build has no AVX512 (use the PyTorch fallback)");
 #endif
-    run_prefill<bf16>(P, N, k_cache.size(0));
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
-  }
   return out;
 }
 
