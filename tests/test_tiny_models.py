@@ -38,8 +38,11 @@ def build(kind: str, root: Path) -> tuple[Path, torch.nn.Module]:
     return path, model
 
 
+@pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
 @pytest.mark.parametrize("kind", list(CASES))
-def test_logits_match_transformers(kind: str, tmp_path: Path) -> None:
+def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernels == "pytorch":  # every op's fallback: fused ops, decode and prefill attention
+        monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
     path, ref = build(kind, tmp_path)
     loaded = load_model(str(path), torch.float32)
     assert loaded.tokenizer is None
