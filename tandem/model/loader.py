@@ -23,6 +23,7 @@ from tandem.cache import cache_dir
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.packed_linear import pack_linears, packing_supported
 
 log = logging.getLogger(__name__)
 
@@ -216,4 +217,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
         net.lm_head.weight = net.embed_tokens.weight
     net.load_weights(weights)
     net.eval()
+    if packing_supported(torch.device(device), dtype):
+        pack_linears(net)
     return LoadedModel(net, tokenizer, arch, path, name)
