@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--min-input", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-batch-size", type=int, default=64)  # 64 measured ~2% above 32, 16 ~15% below
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--step-batches", default="1,8,32,64,128")

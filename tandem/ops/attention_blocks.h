@@ -372,5 +372,26 @@ struct Scratch {
 // Blocks per chunk: the softmax max/sum bookkeeping runs once per chunk rather than per block.
 inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
 
+
+// Fills the fields that the decode and prefill kernels' parameter structs share (same names).
+template <typename Params>
+void fill_common_params(Params& P, const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        double scale) {
+  P.q = q.data_ptr();
+  P.k = k_cache.data_ptr();
+  P.v = v_cache.data_ptr();
+  P.out = out.data_ptr();
+  P.block_tables = block_tables.data_ptr<int32_t>();
+  P.seq_lens = seq_lens.data_ptr<int32_t>();
+  P.max_blocks = block_tables.size(1);
+  P.bs = k_cache.size(1);
+  P.kvh = k_cache.size(2);
+  P.heads = q.size(1);
+  P.group = q.size(1) / k_cache.size(2);
+  P.d = q.size(2);
+  P.scale = static_cast<float>(scale);
+}
+
 }  // namespace
 }  // namespace tandem_ops

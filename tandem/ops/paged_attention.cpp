@@ -332,19 +332,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   if (N == 0) return out;
 
   Params P{};
-  P.q = q.data_ptr();
-  P.k = k_cache.data_ptr();
-  P.v = v_cache.data_ptr();
-  P.out = out.data_ptr();
-  P.block_tables = bt.data_ptr<int32_t>();
-  P.seq_lens = sl.data_ptr<int32_t>();
-  P.max_blocks = bt.size(1);
-  P.bs = k_cache.size(1);
-  P.kvh = KVH;
-  P.heads = H;
-  P.group = H / KVH;
-  P.d = D;
-  P.scale = static_cast<float>(scale);
+  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
 
   if (q.scalar_type() == at::kFloat) {
     run<float>(P, N, k_cache.size(0));

@@ -402,20 +402,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   if (T == 0) return out;
 
   PrefillParams P{};
-  P.q = q.data_ptr();
-  P.k = k_cache.data_ptr();
-  P.v = v_cache.data_ptr();
-  P.out = out.data_ptr();
-  P.block_tables = bt.data_ptr<int32_t>();
+  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
   P.query_start = qsl.data_ptr<int32_t>();
-  P.seq_lens = sl.data_ptr<int32_t>();
-  P.max_blocks = bt.size(1);
-  P.bs = k_cache.size(1);
-  P.kvh = KVH;
-  P.heads = H;
-  P.group = H / KVH;
-  P.d = D;
-  P.scale = static_cast<float>(scale);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   validate(P, N, k_cache.size(0));
