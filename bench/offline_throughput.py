@@ -46,6 +46,15 @@ def run_tandem(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
             "total_throughput": (n_in + n_out) / elapsed}
 
 
+def combine(runs: list[dict]) -> dict:
+    """Several runs of the same workload as one: tokens and seconds summed."""
+    elapsed = sum(r["elapsed_s"] for r in runs)
+    out_tokens = sum(r["output_tokens"] for r in runs)
+    total = sum(r["total_throughput"] * r["elapsed_s"] for r in runs)
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_throughput": out_tokens / elapsed,
+            "total_throughput": total / elapsed, "runs": len(runs)}
+
+
 def dense_hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """transformers' Llama with the same dequantized weights as Tandem, dense, in the same dtype.
 
@@ -133,6 +142,9 @@ def main() -> int:
     ap.add_argument("--step-prompt-len", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate Tandem and transformers this many times (this machine's speed drifts by "
+                         "tens of percent over minutes; alternating spreads the drift over both)")
     ap.add_argument("--out", default="bench/results/offline_throughput.json")
     args = ap.parse_args()
 
@@ -141,20 +153,31 @@ def main() -> int:
               max_num_batched_tokens=args.max_num_batched_tokens)
     torch.set_num_threads(threads)
     vocab = llm.engine.loaded.arch.vocab_size
-    prompts = random_prompts(args.num_prompts, args.min_input, args.max_input, vocab, seed=0)
     result: dict = {"config": vars(args) | {"threads": threads}}
 
-    console.print(f"[bold]Tandem[/]: {len(prompts)} prompts, {args.min_input}-{args.max_input} in, "
+    console.print(f"[bold]Tandem[/]: {args.num_prompts} prompts, {args.min_input}-{args.max_input} in, "
                   f"{args.output_len} out, {args.dtype}, {threads} threads")
-    result["tandem"] = run_tandem(llm, prompts, args.output_len)
-    steps = [decode_step_times(llm, int(b), args.step_prompt_len, 12, vocab) for b in args.step_batches.split(",")]
-    result["decode_steps"] = steps
-    if not args.skip_hf:
-        console.print("[bold]transformers[/] static batching on the same weights")
-        result["transformers"] = run_hf(llm.engine.loaded.path, llm.engine.config.model.dtype, prompts,
-                                        args.output_len, args.hf_batch_size)
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        # Fresh prompts each round (both engines get the same ones): a repeat would hit the prefix cache.
+        prompts = random_prompts(args.num_prompts, args.min_input, args.max_input, vocab, seed=r)
+        entry = {"tandem": run_tandem(llm, prompts, args.output_len)}
+        if not args.skip_hf:
+            console.print(f"[bold]transformers[/] static batching on the same weights (round {r + 1}/{args.rounds})")
+            entry["transformers"] = run_hf(llm.engine.loaded.path, llm.engine.config.model.dtype, prompts,
+                                           args.output_len, args.hf_batch_size)
+            entry["speedup_output_throughput"] = (entry["tandem"]["output_throughput"]
+                                                  / entry["transformers"]["output_throughput"])
+        rounds.append(entry)
+    result["rounds"] = rounds
+    for name in ("tandem", "transformers"):
+        if name in rounds[0]:
+            result[name] = combine([e[name] for e in rounds])
+    if "transformers" in result:
         result["speedup_output_throughput"] = (result["tandem"]["output_throughput"]
                                                / result["transformers"]["output_throughput"])
+    steps = [decode_step_times(llm, int(b), args.step_prompt_len, 12, vocab) for b in args.step_batches.split(",")]
+    result["decode_steps"] = steps
 
     table = Table(title="offline throughput")
     for col in ("engine", "elapsed s", "output tok/s", "total tok/s"):
@@ -166,7 +189,9 @@ def main() -> int:
                           f"{r['total_throughput']:.1f}")
     Console().print(table)
     if "speedup_output_throughput" in result:
-        print(f"tandem / transformers output tok/s: {result['speedup_output_throughput']:.2f}x")
+        per_round = ", ".join(f"{e['speedup_output_throughput']:.2f}x" for e in rounds)
+        print(f"tandem / transformers output tok/s: {result['speedup_output_throughput']:.2f}x "
+              f"(rounds: {per_round})")
     steps_table = Table(title=f"decode step (context {args.step_prompt_len})")
     for col in ("batch", "step ms", "forward ms", "other ms", "other %", "tok/s"):
         steps_table.add_column(col, justify="right")
