@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -149,7 +150,9 @@ void run_prefill_amx(const PrefillParams& P, int64_t n_seqs) {
   const int64_t chunk_elems = P.d * kAmxKeys / 2;
   std::vector<int64_t> chunk0(n_seqs + 1, 0);  // first packed chunk of each sequence
   for (int64_t s = 0; s < n_seqs; ++s) chunk0[s + 1] = chunk0[s] + (P.seq_lens[s] + kAmxKeys - 1) / kAmxKeys;
-  std::vector<uint32_t> kp(chunk0[n_seqs] * P.kvh * chunk_elems), vp(kp.size());
+  // Uninitialised on purpose: pack_chunk writes every element (zeros past a sequence's end).
+  const int64_t packed_elems = chunk0[n_seqs] * P.kvh * chunk_elems;
+  std::unique_ptr<uint32_t[]> kp(new uint32_t[packed_elems]), vp(new uint32_t[packed_elems]);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (sequence, chunk)
   for (int64_t s = 0; s < n_seqs; ++s)
     for (int64_t c = 0; c < chunk0[s + 1] - chunk0[s]; ++c) chunks.emplace_back(s, c);
@@ -158,7 +161,7 @@ void run_prefill_amx(const PrefillParams& P, int64_t n_seqs) {
       const auto [s, c] = chunks[i];
       for (int64_t h = 0; h < P.kvh; ++h) {
         const int64_t off = ((chunk0[s] + c) * P.kvh + h) * chunk_elems;
-        pack_chunk(P, s, c, h, kp.data() + off, vp.data() + off);
+        pack_chunk(P, s, c, h, kp.get() + off, vp.get() + off);
       }
     }
   });
@@ -184,7 +187,7 @@ void run_prefill_amx(const PrefillParams& P, int64_t n_seqs) {
          i = next.fetch_add(1, std::memory_order_relaxed)) {
       const PrefillItemAmx& it = items[i];
       const int64_t off = chunk0[it.seq] * P.kvh * chunk_elems;
-      run_amx_item(P, it, kp.data() + off, vp.data() + off, scratch);
+      run_amx_item(P, it, kp.get() + off, vp.get() + off, scratch);
     }
     at::native::cpublas::brgemm_release(true);
   });
