@@ -119,8 +119,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa: ANN001, ANN202
+    from tandem.disagg.flight import RouterSettings
     from tandem.disagg.launch import local_launcher
-    from tandem.disagg.router import DisaggEngine, RouterSettings
+    from tandem.disagg.router import DisaggEngine
     from tandem.disagg.wire import SECRET_ENV, new_secret
 
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()

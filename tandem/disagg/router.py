@@ -20,7 +20,7 @@ import contextlib
 import logging
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from tandem.config import EngineConfig
 from tandem.disagg import wire
+from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost
 from tandem.disagg.metrics import DisaggMetrics
 from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector
 from tandem.disagg.transport import TransferHandle
@@ -41,46 +42,6 @@ from tandem.serve.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RouterSettings:
-    bind: str = "tcp://127.0.0.1:0"
-    secret: bytes = b""
-    expected_workers: int = 0  # wait for this many (and at least one) to register before serving
-    startup_timeout: float = 300.0
-    heartbeat_timeout: float = 5.0
-    reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
-    prefill_timeout: float = 300.0
-    max_attempts: int = 2  # disaggregated tries before running the request colocated
-
-
-class WorkerLost(Exception):
-    pass
-
-
-@dataclass
-class _Flight:
-    request: Request
-    phase: str = "routing"  # routing -> reserve -> prefill -> decode | colocated
-    prefill: WorkerHandle | None = None
-    decode: WorkerHandle | None = None  # whoever streams the rest of the tokens
-    streamed: bool = False
-    reply: asyncio.Future | None = None
-    task: asyncio.Task | None = None
-
-    def workers(self) -> list[WorkerHandle]:
-        return [w for w in (self.prefill, self.decode) if w is not None]
-
-
-@dataclass
-class RouterCounters:
-    reserve_wait_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
-    retries: int = 0
-    fallbacks: int = 0
-    worker_deaths: int = 0
-    disaggregated: int = 0
-    colocated: int = 0
-
-
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
                  selector: WorkerSelector | None = None,
@@ -91,7 +52,7 @@ class DisaggEngine(EngineClient):
         self.selector = selector or LeastLoaded()
         self.launch = launch
         self.workers: dict[bytes, WorkerHandle] = {}
-        self.flights: dict[str, _Flight] = {}
+        self.flights: dict[str, Flight] = {}
         self.counters = RouterCounters()
         self.address = ""
         self._procs: list[subprocess.Popen] = []
@@ -260,7 +221,7 @@ class DisaggEngine(EngineClient):
     # -- requests -----------------------------------------------------------------------------
     def _submit(self, requests: list[Request]) -> None:
         for request in requests:
-            flight = _Flight(request)
+            flight = Flight(request)
             self.flights[request.request_id] = flight
             flight.task = asyncio.get_running_loop().create_task(self._route(flight))
 
@@ -275,21 +236,21 @@ class DisaggEngine(EngineClient):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def _drop_flight(self, rid: str) -> _Flight | None:
+    def _drop_flight(self, rid: str) -> Flight | None:
         flight = self.flights.pop(rid, None)
         if flight is not None:
             for w in flight.workers():
                 w.inflight.discard(rid)
         return flight
 
-    def _assign(self, flight: _Flight, prefill: WorkerHandle | None, decode: WorkerHandle | None) -> None:
+    def _assign(self, flight: Flight, prefill: WorkerHandle | None, decode: WorkerHandle | None) -> None:
         for w in flight.workers():
             w.inflight.discard(flight.request.request_id)
         flight.prefill, flight.decode = prefill, decode
         for w in flight.workers():
             w.inflight.add(flight.request.request_id)
 
-    async def _ask(self, flight: _Flight, worker: WorkerHandle, timeout: float, *msg: object) -> tuple:
+    async def _ask(self, flight: Flight, worker: WorkerHandle, timeout: float, *msg: object) -> tuple:
         """Send msg and wait for the worker's reply about this request."""
         flight.reply = asyncio.get_running_loop().create_future()
         if not await self._send(worker, *msg):
@@ -299,7 +260,7 @@ class DisaggEngine(EngineClient):
         finally:
             flight.reply = None
 
-    async def _route(self, flight: _Flight) -> None:
+    async def _route(self, flight: Flight) -> None:
         rid = flight.request.request_id
         try:
             for attempt in range(self.settings.max_attempts):
@@ -322,7 +283,7 @@ class DisaggEngine(EngineClient):
             self._drop_flight(rid)
             self._fail_children([rid], EngineRequestError(f"routing failed: {type(e).__name__}: {e}"))
 
-    async def _run_disaggregated(self, flight: _Flight, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
+    async def _run_disaggregated(self, flight: Flight, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
         """True when the request is decoding (or done); False to try something else."""
         rid = flight.request.request_id
         self._assign(flight, prefill, decode)
@@ -359,7 +320,7 @@ class DisaggEngine(EngineClient):
         await self._deliver_outputs([first])
         return True
 
-    async def _release(self, flight: _Flight) -> None:
+    async def _release(self, flight: Flight) -> None:
         """Undo a failed attempt before the next one (which reuses the request id)."""
         prefill, decode = flight.prefill, flight.decode
         self._assign(flight, None, None)
@@ -382,7 +343,7 @@ class DisaggEngine(EngineClient):
         if decode is not None and decode is not prefill and decode.alive:
             await self._send(decode, "abort", [rid])
 
-    async def _run_colocated(self, flight: _Flight) -> None:
+    async def _run_colocated(self, flight: Flight) -> None:
         candidates = self.live("decode") or self.live()
         if not candidates:
             raise EngineDeadError("no live worker to serve the request")
