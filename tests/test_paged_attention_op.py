@@ -217,3 +217,20 @@ def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     torch.testing.assert_close(
         pa.paged_decode_attention(*args, 0.125).double(), naive_reference(*args, 0.125), atol=1e-5, rtol=1e-5
     )
+
+
+def test_kernel_out_variant_writes_only_its_rows() -> None:
+    # The model hands the kernel q as a view of the fused qkv projection and a slice of the step's
+    # output: the result must equal the plain call's, and the rows around the slice stay untouched.
+    _kernel_impl()
+    args = make_case([37, 300, 5], 9, 3, 64, 16, torch.bfloat16, seed=13)
+    qkv = torch.randn(3, 15 * 64).to(torch.bfloat16)
+    q = qkv[:, : 9 * 64].view(3, 9, 64)
+    assert not q.is_contiguous()
+    buf = torch.full((5, 9, 64), 7.0, dtype=torch.bfloat16)
+    res = pa.paged_decode_attention(q, *args[1:], 0.125, out=buf[1:4])
+    assert res.data_ptr() == buf[1:4].data_ptr()
+    torch.testing.assert_close(buf[1:4], pa.paged_decode_attention(q.contiguous(), *args[1:], 0.125), atol=0, rtol=0)
+    assert (buf[0] == 7).all() and (buf[4] == 7).all()
+    with pytest.raises(RuntimeError, match="out must be"):
+        pa.paged_decode_attention(q, *args[1:], 0.125, out=buf[:2])

@@ -89,3 +89,19 @@ def test_bad_block_id_raises() -> None:
     tables[0, 1] = 0
     with pytest.raises(RuntimeError, match="queries but seq_len"):
         pa.paged_prefill_attention(q, k, v, tables, qs, torch.tensor([10], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 48)],
+                         ids=["amx", "f32-tiles", "bf16-tiles"])
+def test_strided_query_and_out_rows(dtype: torch.dtype, head_dim: int) -> None:
+    # q as a view of a fused qkv projection, the result written into a slice of a larger output.
+    q, k, v, tables, qs, lens = make_case(CASES["mixed"], 6, 2, head_dim, 16, dtype, seed=3)
+    t = q.shape[0]
+    qkv = torch.zeros(t, 10 * head_dim, dtype=dtype)
+    qkv[:, : 6 * head_dim] = q.reshape(t, -1)
+    q_view = qkv[:, : 6 * head_dim].view(t, 6, head_dim)
+    assert not q_view.is_contiguous()
+    buf = torch.full((t + 2, 6, head_dim), 3.0, dtype=dtype)
+    pa.paged_prefill_attention(q_view, k, v, tables, qs, lens, 0.125, out=buf[2:])
+    torch.testing.assert_close(buf[2:], pa.paged_prefill_attention(q, k, v, tables, qs, lens, 0.125), atol=0, rtol=0)
+    assert (buf[:2] == 3).all()

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.paged_attention import paged_decode_attention, paged_prefill_attention, prefill_kernel_supports
+from tandem.ops.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_supports,
+    write_kv,
+)
 
 
 @dataclass
@@ -163,26 +168,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for the new tokens; returns [T, H, D]."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
+    # Both kernels write their rows of one output, so the halves are never concatenated.
+    out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
-    gqa = q.shape[1] != num_kv_heads
-    parts = []
     if nd:
-        parts.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_seq_lens, scale))
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                               out=out[:nd])
     if meta.num_prefills:
         qp = q[nd:]
         if prefill_kernel_supports(qp, k_cache, v_cache):
-            parts.append(paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_query_start, meta.prefill_seq_lens, scale))
+            paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                                    meta.prefill_seq_lens, scale, out=out[nd:])
         else:
-            parts.append(_prefill_attention_torch(qp, k[nd:], v[nd:], k_flat, v_flat, meta.prefill_groups(), scale,
-                                                  gqa))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+            k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+            v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+            out[nd:] = _prefill_attention_torch(qp, k[nd:], v[nd:], k_flat, v_flat, meta.prefill_groups(), scale,
+                                                q.shape[1] != num_kv_heads)
+    return out
 
 
 def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k_flat: torch.Tensor,

@@ -373,12 +373,26 @@ struct Scratch {
 inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
 
 
+// q as the kernels read it: token rows may be any distance apart (a view of a fused qkv
+// projection is used in place), but each row's heads must be packed; anything else is copied.
+inline at::Tensor packed_rows(const at::Tensor& q) {
+  return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+}
+
+// An output buffer the kernels write rows of (`out` overloads): [T, H, D] like q, contiguous.
+inline void check_out(const at::Tensor& out, const at::Tensor& q, const char* op) {
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() &&
+                  out.device() == q.device(),
+              op, ": out must be a contiguous tensor of q's shape and dtype");
+}
+
 // Fills the fields that the decode and prefill kernels' parameter structs share (same names).
 template <typename Params>
 void fill_common_params(Params& P, const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         double scale) {
   P.q = q.data_ptr();
+  P.q_stride = q.stride(0);
   P.k = k_cache.data_ptr();
   P.v = v_cache.data_ptr();
   P.out = out.data_ptr();

@@ -58,7 +58,7 @@ struct Item {
 };
 
 struct Params {
-  const void* q;  // [N, H, D]
+  const void* q;  // [N, H, D], token rows q_stride elements apart (heads packed within a row)
   const void* k;  // [num_blocks, BS, KVH, D]
   const void* v;
   void* out;  // [N, H, D]
@@ -70,6 +70,7 @@ struct Params {
   int64_t heads;
   int64_t group;
   int64_t d;
+  int64_t q_stride;
   float scale;
   float* part_m;    // [slots, H]
   float* part_l;    // [slots, H]
@@ -101,7 +102,7 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
   const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
 
-  const T* q = static_cast<const T*>(P.q) + (static_cast<int64_t>(it.seq) * P.heads + h0) * D;
+  const T* q = static_cast<const T*>(P.q) + static_cast<int64_t>(it.seq) * P.q_stride + h0 * D;
   for (int64_t i = 0; i < nh * D; ++i) S.q[i] = static_cast<typename QueryType<T>::type>(q[i]);
   std::fill_n(S.acc.begin(), nh * AS, 0.0f);
   std::fill_n(S.m.begin(), nh, kNegInf);
@@ -305,8 +306,11 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+// Writes into `out` ([N, H, D], contiguous, q's dtype), e.g. the decode rows of a step's output.
+// q may be a strided view (token rows of a fused qkv projection) as long as each row's heads are packed.
+at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       at::Tensor& out) {
   TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors expected");
   TORCH_CHECK(q_in.dim() == 3, "q must be [N, H, D]");
@@ -324,13 +328,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num heads must be a multiple of num kv heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == N, "block_tables must be [N, max_blocks]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == N, "seq_lens must be [N]");
-
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor bt = block_tables.contiguous();
-  const at::Tensor sl = seq_lens.contiguous();
-  at::Tensor out = at::empty({N, H, D}, q.options());
+  check_out(out, q_in, "paged_decode_attention");
   if (N == 0) return out;
 
+  const at::Tensor q = packed_rows(q_in);
+  const at::Tensor bt = block_tables.contiguous();
+  const at::Tensor sl = seq_lens.contiguous();
   Params P{};
   fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
 
@@ -342,6 +345,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }
   return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [N, H, D]");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  return paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
 }
 
 // Which code path was compiled in (shown by the build script and the benchmark).
@@ -361,7 +371,13 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
+  m.def(
+      "paged_decode_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("isa", &tandem_ops::isa);
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_decode_attention", &tandem_ops::paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("paged_decode_attention", &tandem_ops::paged_decode_attention);
+  m.impl("paged_decode_attention.out", &tandem_ops::paged_decode_attention_out);
+}

@@ -1,4 +1,5 @@
-"""Paged attention kernels (``paged_attention.cpp``: decode, ``paged_prefill.cpp``: prefill).
+"""Paged attention kernels (``paged_attention.cpp``: decode, ``paged_prefill.cpp``: prefill) and
+the write of new K/V into the pool (``kv_write.cpp``).
 
 ``paged_decode_attention`` uses the decode kernel when the extension is available (see
 ``tandem.ops.extension``) and the inputs suit it, and ``paged_decode_attention_torch`` otherwise.
@@ -31,6 +32,20 @@ def _fake_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 extension.register_fake("paged_prefill_attention", _fake_prefill)
+
+
+def _fake_out(*args: object, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _fake_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    return None
+
+
+extension.register_fake("paged_decode_attention.out", _fake_out)
+extension.register_fake("paged_prefill_attention.out", _fake_out)
+extension.register_fake("write_kv", _fake_write_kv)
 
 
 def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -67,17 +82,22 @@ def paged_prefill_attention(
     query_start: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of several new tokens per sequence over their paged K/V (already written).
 
     q: [T, H, D], sequence n's queries are rows query_start[n]:query_start[n + 1] (int32 [N + 1]);
     seq_lens: int32 [N], context plus new tokens, so query i of sequence n is at position
     seq_lens[n] - q_len + i and sees keys [0, that position]. block_tables: int32 [N, max_blocks].
-    Returns [T, H, D] in q's dtype. Requires prefill_kernel_supports(q, k_cache, v_cache).
+    Returns [T, H, D] in q's dtype, written into ``out`` (contiguous, q's shape) when given.
+    q may be a view with token rows any distance apart (heads packed). Requires
+    prefill_kernel_supports(q, k_cache, v_cache).
     """
     op = extension.op("paged_prefill_attention")
     if op is None:
         raise RuntimeError(f"paged prefill kernel unavailable: {extension.extension_error() or 'disabled'}")
+    if out is not None:
+        return op.out(q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale), out=out)
     return op(q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale))
 
 
@@ -88,19 +108,40 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V.
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (same dtype as q, H % KVH == 0);
     block_tables: int32 [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
-    Query head h reads kv head h // (H // KVH). The softmax is computed in float32.
+    Query head h reads kv head h // (H // KVH). The softmax is computed in float32. The result is
+    written into ``out`` (contiguous, q's shape and dtype) when given.
     """
     if _kernel_supports(q, k_cache, v_cache):
         op = extension.op("paged_decode_attention")
         if op is not None:
             tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)  # no-ops when int32
+            if out is not None:
+                return op.out(q, k_cache, v_cache, tables, lens, float(scale), out=out)
             return op(q, k_cache, v_cache, tables, lens, float(scale))
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    res = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return res if out is None else out.copy_(res)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K and V ([T, KVH, D], possibly strided views of a qkv projection) at
+    their flat pool slots (int64 [T]) of k_cache and v_cache ([num_blocks, block_size, KVH, D])."""
+    if (k.device.type == "cpu" and k_cache.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+            and all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (k, v))
+            and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+            and (op := extension.op("write_kv")) is not None):
+        op(k, v, k_cache, v_cache, slot_mapping)
+        return
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
 def paged_decode_attention_torch(

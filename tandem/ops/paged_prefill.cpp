@@ -98,7 +98,7 @@ void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
     const int64_t row = it.r0 + std::min<int64_t>(r, it.nr - 1);  // padding lanes repeat the last row's position
     pos[r] = static_cast<int32_t>(context + row / G);
     if (r >= it.nr) continue;
-    const T* src = static_cast<const T*>(P.q) + ((qs + row / G) * P.heads + it.kvh * G + row % G) * D;
+    const T* src = static_cast<const T*>(P.q) + (qs + row / G) * P.q_stride + (it.kvh * G + row % G) * D;
     for (int64_t d = 0; d < D; ++d) S.qf[d * 16 + r] = static_cast<float>(src[d]);
   }
   const __m512i posv = _mm512_loadu_si512(pos);
@@ -196,9 +196,10 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 
 }  // namespace
 
-at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_tables, const at::Tensor& query_start,
-                                   const at::Tensor& seq_lens, double scale) {
+// Writes into `out` ([T, H, D], contiguous, q's dtype), e.g. the prompt rows of a step's output.
+at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& query_start,
+                                        const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_prefill_attention: CPU tensors expected");
   TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
@@ -216,12 +217,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num heads must be a multiple of num kv heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == N, "block_tables must be [N, max_blocks]");
   TORCH_CHECK(query_start.dim() == 1 && query_start.size(0) == N + 1, "query_start must be [N + 1]");
+  check_out(out, q_in, "paged_prefill_attention");
 
-  const at::Tensor q = q_in.contiguous(), bt = block_tables.contiguous(), qsl = query_start.contiguous();
+  const at::Tensor q = packed_rows(q_in), bt = block_tables.contiguous(), qsl = query_start.contiguous();
   const at::Tensor sl = seq_lens.contiguous();
   TORCH_CHECK(qsl.data_ptr<int32_t>()[0] == 0 && qsl.data_ptr<int32_t>()[N] == T,
               "query_start must run from 0 to the number of query tokens");
-  at::Tensor out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
 
   PrefillParams P{};
@@ -243,12 +244,26 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   return out;
 }
 
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start,
+                                   const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  return paged_prefill_attention_out(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out);
+}
+
 }  // namespace tandem_ops
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start, Tensor seq_lens, float scale, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_prefill_attention", &tandem_ops::paged_prefill_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("paged_prefill_attention", &tandem_ops::paged_prefill_attention);
+  m.impl("paged_prefill_attention.out", &tandem_ops::paged_prefill_attention_out);
+}

@@ -7,14 +7,14 @@
 namespace tandem_ops {
 
 struct PrefillParams {
-  const void* q;  // [T, H, D]
+  const void* q;  // [T, H, D], token rows q_stride elements apart (heads packed within a row)
   const void* k;  // [num_blocks, BS, KVH, D]
   const void* v;
   void* out;  // [T, H, D]
   const int32_t* block_tables;
   const int32_t* query_start;  // [N + 1]
   const int32_t* seq_lens;     // [N], context + q_len
-  int64_t max_blocks, bs, kvh, heads, group, d;
+  int64_t max_blocks, bs, kvh, heads, group, d, q_stride;
   float scale;
 };
 

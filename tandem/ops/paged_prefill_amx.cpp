@@ -89,7 +89,7 @@ void run_amx_item(const PrefillParams& P, const PrefillItemAmx& it, const uint32
   const int64_t M = (it.q1 - it.q0) * G, n_keys = context + it.q1, first_pos = context + it.q0;
   const int64_t chunk_elems = D * kAmxKeys / 2;  // uint32 pairs per packed chunk (K^T or V)
   for (int64_t r = 0; r < M; ++r) {
-    const bf16* src = static_cast<const bf16*>(P.q) + ((qs + it.q0 + r / G) * H + it.kvh * G + r % G) * D;
+    const bf16* src = static_cast<const bf16*>(P.q) + (qs + it.q0 + r / G) * P.q_stride + (it.kvh * G + r % G) * D;
     std::copy_n(src, D, S.q.data() + r * D);
   }
   std::fill_n(S.o.begin(), M * D, 0.0f);
