@@ -35,51 +35,58 @@ inline float rnd(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// One row of rms_norm: o = w * round(x * rsqrt(mean(x^2) + eps)).
+template <typename T>
+TANDEM_INLINE void norm_row(const T* xr, const T* w, T* o, int64_t n, float eps) {
+#if defined(__AVX512F__)
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(xr + i, lane_mask(n - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) * (1.0f / n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    const __m512 xn = round_as(_mm512_mul_ps(load16(xr + i, m), inv), xr);
+    store16(o + i, _mm512_mul_ps(load16(w + i, m), xn), m);
+  }
+#else
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+  const float inv = 1.0f / std::sqrt(ss * (1.0f / n) + eps);
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * inv));
+#endif
+}
+
+// One row of the residual add: res = x + residual, rounded to T.
+template <typename T>
+TANDEM_INLINE void add_row(const T* xr, const T* rr, T* res, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    store16(res + i, _mm512_add_ps(load16(xr + i, m), load16(rr + i, m)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) res[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+#endif
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out_stride, int64_t rows,
                    int64_t n, float eps) {
   at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * x_stride;
-      T* o = out + r * out_stride;
-#if defined(__AVX512F__)
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = load16(xr + i, lane_mask(n - i));
-        ss = _mm512_fmadd_ps(v, v, ss);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) * (1.0f / n) + eps));
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = lane_mask(n - i);
-        const __m512 xn = round_as(_mm512_mul_ps(load16(xr + i, m), inv), xr);
-        store16(o + i, _mm512_mul_ps(load16(w + i, m), xn), m);
-      }
-#else
-      float ss = 0.0f;
-      for (int64_t i = 0; i < n; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-      const float inv = 1.0f / std::sqrt(ss * (1.0f / n) + eps);
-      for (int64_t i = 0; i < n; ++i)
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * inv));
-#endif
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_row(x + r * x_stride, w, out + r * out_stride, n, eps);
   });
 }
 
-// residual <- x + residual (rounded to T); out <- rms_norm(residual).
+// res = x + residual (rounded to T), out = rms_norm(res): one pass, the row still in L1 for the norm.
 template <typename T>
-void add_rows(const T* x, int64_t x_stride, T* res, int64_t res_stride, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
+void add_rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t r_stride, const T* w, T* res,
+                       T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * x_stride;
-      T* rr = res + r * res_stride;
-#if defined(__AVX512F__)
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = lane_mask(n - i);
-        store16(rr + i, _mm512_add_ps(load16(xr + i, m), load16(rr + i, m)), m);
-      }
-#else
-      for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-#endif
+      add_row(x + r * x_stride, residual + r * r_stride, res + r * n, n);
+      norm_row(res + r * n, w, out + r * n, n, eps);
     }
   });
 }
@@ -221,12 +228,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_rows(residual, "add_rms_norm");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "add_rms_norm: x and residual must match");
-  at::Tensor res = residual.clone(at::MemoryFormat::Contiguous);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be a contiguous [hidden] tensor of x's dtype");
+  at::Tensor res = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
   dispatch(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    add_rows<T>(x.data_ptr<T>(), x.stride(0), res.data_ptr<T>(), res.stride(0), x.size(0), x.size(1));
+    add_rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), residual.data_ptr<T>(), residual.stride(0), w.data_ptr<T>(),
+                         res.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
-  return {rms_norm(res, w, eps), res};
+  return {out, res};
 }
 
 void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
