@@ -293,6 +293,22 @@ inline void unpermute_acc(float* acc, int64_t d) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Calls f(std::integral_constant<int, GB>, g0) for each chunk [g0, g0 + GB) of up to kHeadChunk of
+// the G heads, so the register-blocked p.V versions get their head count at compile time.
+template <typename F>
+TANDEM_INLINE void for_head_chunks(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
+    switch (std::min<int64_t>(kHeadChunk, G - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0); break;
+    }
+  }
+}
+#endif
+
 // p.V over one block for the G heads of one kv head; chunks of up to kHeadChunk heads go to the
 // register-blocked versions above.
 template <typename T>
@@ -302,28 +318,16 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
 #if defined(__AVX512F__)
   if constexpr (kPairV<T>) {
 #if defined(TANDEM_DPBF16)
-    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
-      float* a = acc + g0 * acc_stride;
-      const uint16_t* pg = pb + g0 * p_stride;
-      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_pairs<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        case 2: accumulate_v_pairs<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        case 3: accumulate_v_pairs<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        default: accumulate_v_pairs<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-      }
-    }
+    for_head_chunks(G, [&](auto gb, int64_t g0) {
+      accumulate_v_pairs<decltype(gb)::value>(acc + g0 * acc_stride, acc_stride, pb + g0 * p_stride, p_stride, v, n,
+                                              row_stride, d, pf);
+    });
 #endif
   } else {
-    for (int64_t g0 = 0; g0 < G; g0 += kHeadChunk) {
-      float* a = acc + g0 * acc_stride;
-      const float* pg = p + g0 * p_stride;
-      switch (std::min<int64_t>(kHeadChunk, G - g0)) {
-        case 1: accumulate_v_f32<1>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        case 2: accumulate_v_f32<2>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        case 3: accumulate_v_f32<3>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-        default: accumulate_v_f32<4>(a, acc_stride, pg, p_stride, v, n, row_stride, d, pf); break;
-      }
-    }
+    for_head_chunks(G, [&](auto gb, int64_t g0) {
+      accumulate_v_f32<decltype(gb)::value>(acc + g0 * acc_stride, acc_stride, p + g0 * p_stride, p_stride, v, n,
+                                            row_stride, d, pf);
+    });
   }
 #else
   for (int64_t t = 0; t < n; ++t) {
@@ -379,8 +383,24 @@ inline at::Tensor packed_rows(const at::Tensor& q) {
   return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
 }
 
-// An output buffer the kernels write rows of (`out` overloads): [T, H, D] like q, contiguous.
-inline void check_out(const at::Tensor& out, const at::Tensor& q, const char* op) {
+// The checks the decode and prefill ops share: q [T, H, D], the K/V pool, int32 block tables of
+// one row per sequence, and the output buffer the kernels write rows of ([T, H, D] like q, contiguous).
+inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, int64_t n_seqs, const at::Tensor& out,
+                                   const char* op) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
+              ": CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [tokens, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
+              ": k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache/v_cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(), op,
+              ": q, k_cache and v_cache must share a dtype");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D > 0, op, ": head_dim must match and be a multiple of 16");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, op, ": num heads must be a multiple of num kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == n_seqs,
+              op, ": block_tables must be int32 [num sequences, max_blocks]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() &&
                   out.device() == q.device(),
               op, ": out must be a contiguous tensor of q's shape and dtype");

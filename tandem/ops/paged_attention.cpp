@@ -311,24 +311,11 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                        at::Tensor& out) {
-  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode_attention: CPU tensors expected");
-  TORCH_CHECK(q_in.dim() == 3, "q must be [N, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache must be contiguous");
-  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens must be int32");
-  const int64_t N = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
-  const int64_t KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and k_cache");
-  TORCH_CHECK(D % 16 == 0 && D > 0, "head_dim must be a positive multiple of 16");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num heads must be a multiple of num kv heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == N, "block_tables must be [N, max_blocks]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == N, "seq_lens must be [N]");
-  check_out(out, q_in, "paged_decode_attention");
+  TORCH_CHECK(q_in.dim() == 3, "paged_decode_attention: q must be [N, H, D]");
+  const int64_t N = q_in.size(0);
+  check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_decode_attention");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == N,
+              "paged_decode_attention: seq_lens must be int32 [N]");
   if (N == 0) return out;
 
   const at::Tensor q = packed_rows(q_in);

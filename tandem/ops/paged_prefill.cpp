@@ -200,24 +200,13 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& query_start,
                                         const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_prefill_attention: CPU tensors expected");
-  TORCH_CHECK(q_in.dim() == 3, "q must be [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache must be contiguous");
-  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
-                  seq_lens.scalar_type() == at::kInt,
-              "block_tables, query_start and seq_lens must be int32");
-  const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(seq_lens.dim() == 1, "paged_prefill_attention: seq_lens must be [N]");
   const int64_t N = seq_lens.size(0);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D > 0, "head_dim must match and be a multiple of 16");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num heads must be a multiple of num kv heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == N, "block_tables must be [N, max_blocks]");
+  check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_prefill_attention");
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_prefill_attention: query_start and seq_lens must be int32");
   TORCH_CHECK(query_start.dim() == 1 && query_start.size(0) == N + 1, "query_start must be [N + 1]");
-  check_out(out, q_in, "paged_prefill_attention");
+  const int64_t T = q_in.size(0), D = q_in.size(2);
 
   const at::Tensor q = packed_rows(q_in), bt = block_tables.contiguous(), qsl = query_start.contiguous();
   const at::Tensor sl = seq_lens.contiguous();
