@@ -9,6 +9,7 @@ from typing import Protocol
 
 from tandem.disagg.worker import WorkerInfo, WorkerStats
 from tandem.engine.request import Request
+from tandem.serve.core_proc import CoreStats
 
 
 @dataclass
@@ -34,6 +35,20 @@ class WorkerHandle:
         """Requests assigned and not finished, plus the engine's own queue, as last reported."""
         queued = self.stats.core.num_waiting if self.stats is not None else 0
         return len(self.inflight) + queued
+
+
+def combined_stats(workers: list[WorkerHandle]) -> CoreStats | None:
+    """The deployment's engine stats: the sum over the workers that have reported (None: none has)."""
+    parts = [w.stats.core for w in workers if w.stats is not None]
+    if not parts:
+        return None
+    blocks = sum(s.num_blocks for s in parts)
+    used = sum(s.num_used_blocks for s in parts)
+    return CoreStats(
+        sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
+        used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
+            "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
+        time.monotonic())
 
 
 class WorkerSelector(Protocol):

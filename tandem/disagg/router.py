@@ -30,13 +30,12 @@ from tandem.config import EngineConfig
 from tandem.disagg import wire
 from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost
 from tandem.disagg.metrics import DisaggMetrics
-from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector
+from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector, combined_stats
 from tandem.disagg.transport import TransferHandle
 from tandem.disagg.worker import WorkerInfo
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.request import Request
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
-from tandem.serve.core_proc import CoreStats
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -196,16 +195,7 @@ class DisaggEngine(EngineClient):
                     info.cores)
 
     def _refresh_stats(self) -> None:
-        parts = [w.stats.core for w in self.live() if w.stats is not None]
-        if not parts:
-            return
-        blocks = sum(s.num_blocks for s in parts)
-        used = sum(s.num_used_blocks for s in parts)
-        self.stats = CoreStats(
-            sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
-            used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
-                "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
-            time.monotonic())
+        self.stats = combined_stats(self.live()) or self.stats
 
     async def _deliver_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
