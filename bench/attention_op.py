@@ -6,7 +6,9 @@ Defaults are SmolLM2-135M shapes (H=9, KVH=3, D=64, bf16, block size 16) with ea
 scattered randomly through a pool twice the live size, as after some serving time. Two timings:
   hot:  the same layer's cache called repeatedly (it stays in the large L3 of server CPUs);
   cold: calls cycle through enough copies of the cache (--cold-mb) that it comes from DRAM, as in a
-        real model where every layer has its own cache.
+        real model where every layer has its own cache. The copies sit on huge pages, as the
+        engine's pool does (tandem.kv.host_memory).
+  cold 4k (--compare-pages): the same on ordinary 4 KiB pages, timed right after.
 GB/s counts the K and V bytes a call must read (sum of seq_len * KVH * D * 2 tensors). Times are
 the best repetition (--stat min, default: robust to other processes taking a core, which stalls a
 whole multi-threaded call for a scheduler tick) or the median (--stat median, for a quiet machine).
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from tandem.kv.host_memory import huge_page_zeros  # noqa: E402
 from tandem.ops import extension  # noqa: E402
 from tandem.ops import paged_attention as pa  # noqa: E402
 
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=int, default=1024, help="cache copies cycled for 'cold' (0: skip)")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) fallback timings")
     ap.add_argument("--stat", choices=["min", "median"], default="min")
+    ap.add_argument("--compare-pages", action="store_true", help="also time the cold caches on 4 KiB pages")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,7 +121,7 @@ def main() -> None:
     impls: list[tuple[str, Attn | None]] = [("kernel", kernel)]
     if not args.no_torch:
         impls.append(("torch", pa.paged_decode_attention_torch))
-    modes = ["hot"] + (["cold"] if args.cold_mb > 0 else [])
+    modes = ["hot"] + (["cold"] if args.cold_mb > 0 else []) + (["cold 4k"] if args.compare_pages else [])
     cols = [f"{name} {mode}" for name, _ in impls for mode in modes]
     header = f"{'batch':>5} {'seq':>5} {'KV MB':>6} |" + "|".join(f" {c:>11} ms  GB/s " for c in cols)
     print(header)
@@ -132,7 +136,8 @@ def main() -> None:
             nbytes = 2 * int(lens.sum()) * args.kv_heads * args.head_dim * k.element_size()
             pool_bytes = 2 * k.numel() * k.element_size()
             copies = max(2, math.ceil(args.cold_mb * 2**20 / pool_bytes)) if args.cold_mb else 0
-            cold = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
+            cold = [(on_huge_pages(k), on_huge_pages(v)) for _ in range(copies)]
+            cold_4k = [(k.clone(), v.clone()) for _ in range(copies)] if args.compare_pages else []
             row = f"{batch:>5} {seq:>5} {nbytes / 1e6:>6.2f} |"
             times: dict[str, float] = {}
             for name, fn in impls:
@@ -140,7 +145,7 @@ def main() -> None:
                     if fn is None:
                         row += f" {'-':>11}    {'-':>5} |"
                         continue
-                    caches = [(k, v)] if mode == "hot" else cold
+                    caches = {"hot": [(k, v)], "cold": cold, "cold 4k": cold_4k}[mode]
                     reps = args.iters if mode == "hot" else max(3, args.iters // 4)
                     ms = time_layers(fn, q, caches, tables, lens, scale, reps, args.stat)
                     times[f"{name} {mode}"] = ms
@@ -148,7 +153,11 @@ def main() -> None:
             if "kernel hot" in times and "torch hot" in times:
                 row += f" {times['torch hot'] / times['kernel hot']:.1f}x"
             print(row, flush=True)
-            del cold
+            del cold, cold_4k
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    return huge_page_zeros(tuple(t.shape), t.dtype).copy_(t)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tandem.config import EngineConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.kv.host_memory import huge_page_zeros
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
 from tandem.model.llama import LlamaForCausalLM
@@ -56,8 +57,10 @@ class LayerHook(Protocol):
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # torch.zeros is backed by lazily zeroed pages, so a large pool costs nothing until used.
+def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed and lazily committed, so a large pool costs nothing until used; on CPU on huge pages."""
+    if device.type == "cpu":
+        return huge_page_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -69,7 +72,7 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         arch = model.cfg
         shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = (kv_allocator or _zeros)(shape, config.model.dtype, self.device)
+        self.kv_caches = (kv_allocator or default_kv_allocator)(shape, config.model.dtype, self.device)
         self.layer_hook: LayerHook | None = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
