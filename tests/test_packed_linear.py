@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from tandem.model.packed_linear import (
+    SMALL_BATCH_ROWS,
+    PackedLinear,
+    pack_linears,
+    packing_supported,
+    small_batch_supported,
+)
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
                                 reason="oneDNN weight packing unavailable")
@@ -39,3 +45,50 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
         torch.testing.assert_close(model.head(model.block(x)).float(), before, atol=5e-2, rtol=5e-2)
     assert model.embed.weight.shape == (50, 32)  # the embedding a tied head shared is untouched
+
+
+small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batch_linear needs AVX512-BF16")
+
+
+@small_batch
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("out_features", [150, 64])
+def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_features: int) -> None:
+    # out_features 150: the last 32-column panel is partly padding, which must not reach the output.
+    torch.manual_seed(rows * out_features)
+    linear = nn.Linear(96, out_features, bias=bias, dtype=torch.bfloat16)
+    panels = torch.ops.tandem.pack_linear_weight(linear.weight)
+    wide = torch.randn(rows, 200, dtype=torch.bfloat16)
+    x = wide[:, 10:106]  # rows 200 apart: read in place
+    with torch.inference_mode():
+        got = torch.ops.tandem.small_batch_linear(x, panels, linear.bias, out_features)
+        expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0.0)
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        # fp32 accumulation rounded once to bf16: within one bf16 rounding of the exact result.
+        torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=8e-3)
+        onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), PackedLinear(linear).packed_weight,
+                                                    linear.bias, "none", [], "")
+        assert (got.float() - onednn.float()).abs().max() <= 2 * (onednn.float().abs().max() * 2**-8)
+
+
+@small_batch
+def test_packed_linear_switches_paths_by_row_count_with_the_same_results() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=True, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.panels is not None
+    x = torch.randn(SMALL_BATCH_ROWS + 3, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        big = packed(x)  # oneDNN
+        for r in range(1, SMALL_BATCH_ROWS + 1):
+            torch.testing.assert_close(packed(x[:r]).float(), big[:r].float(), atol=2e-2, rtol=2e-2)
+
+
+@small_batch
+def test_small_batch_linear_rejects_a_mismatched_weight() -> None:
+    panels = torch.ops.tandem.pack_linear_weight(torch.randn(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.tandem.small_batch_linear(torch.randn(1, 48, dtype=torch.bfloat16), panels, None, 64)
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        torch.ops.tandem.pack_linear_weight(torch.randn(8, 33, dtype=torch.bfloat16))

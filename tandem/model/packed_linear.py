@@ -6,6 +6,12 @@ Packing once (torch.ops.mkldnn._reorder_linear_weight, as inductor's weight-free
 made decode-sized matmuls 20-40% faster on the development machine (the lm_head at 64 rows: 10 ms
 to 5.5 ms) and left prompt-sized ones (1024+ rows) within noise. The packed tensor replaces the
 plain weight, so memory does not grow (a tied lm_head keeps the embedding and adds its packed copy).
+
+At one to four rows (decode at low concurrency) a linear layer is a weight stream, which oneDNN read
+at ~12 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at ~16 GB/s.
+Such layers keep a second copy of the weight in that op's panel layout, so the linear weights take
+twice their size in memory (0.27 GB more for the default model) for a 1.46x faster batch-1 decode
+step (36.5 to 25.0 ms, bench/small_batch_linear.py).
 """
 
 from __future__ import annotations
@@ -13,8 +19,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.ops import extension
+
 # The row count oneDNN picks its packed format for; decode batches are around this size.
 BATCH_HINT = 256
+# Up to this many rows the weight stream dominates and small_batch_linear is faster
+# (bench/small_batch_linear.py: 1.39x at one row, 1.22x at two, even at four, 0.69x at eight).
+SMALL_BATCH_ROWS = 2
+
+
+def small_batch_supported() -> bool:
+    return extension.extension_available() and extension.extension_isa() == "avx512-bf16"
+
+
+def _fake_small_batch(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+extension.register_fake("small_batch_linear", _fake_small_batch)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -28,11 +51,18 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
+        panels = None
+        if small_batch_supported() and self.in_features % 2 == 0:
+            panels = torch.ops.tandem.pack_linear_weight(linear.weight.detach())
+        self.register_buffer("panels", panels, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        if self.panels is not None and rows.shape[0] <= SMALL_BATCH_ROWS:
+            out = torch.ops.tandem.small_batch_linear(rows, self.panels, self.bias, self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
 

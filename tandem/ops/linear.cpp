@@ -1,0 +1,147 @@
+// bf16 linear layers for a few rows (decode at low concurrency): y = x W^T (+ b) as a weight stream.
+//
+// With one to four rows a linear layer is a matrix-vector product: each weight is used once per
+// row, so its time is the time to read W. oneDNN's matmul (behind F.linear and the pre-packed
+// PackedLinear) read SmolLM2-135M's 269 MB of linear and lm_head weights at ~12 GB/s at batch 1 on
+// the development machine, against 18-22 GB/s for a plain streaming sum; this op reads them at
+// ~16 GB/s (bench/small_batch_linear.py): 23.2 ms to 16.6 ms, and a batch-1 decode step from 36.5
+// to 25.0 ms. At four rows the two are even (the broadcasts and dpbf16s per load start to count).
+//
+//   * W is packed once, at load time, into panels of kPanel = 32 output columns, each panel
+//     [K/2][32] bf16 pairs: one contiguous stream per panel, and each 64-byte load holds 16 columns
+//     x one pair along K, the operand layout of dpbf16;
+//   * each load meets every row (up to kMaxRows at a time, in registers), so W streams from memory
+//     once per group of rows; threads split the panels;
+//   * accumulation is in fp32 (dpbf16), then + bias, rounded once to bf16, as oneDNN does.
+// More rows go in groups of kMaxRows, correct for any count; the caller switches to oneDNN's
+// blocked matmul once compute, not the weight stream, is what limits.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace tandem_ops {
+namespace {
+
+constexpr int64_t kPanel = 32;   // output columns per packed panel
+constexpr int64_t kMaxRows = 4;  // rows whose accumulators are held in registers at once
+
+int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+#if defined(__AVX512BF16__)
+// Rows [0, MR) of x against one panel (n <= 32 valid columns), written to y.
+template <int MR>
+void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, int64_t n, const float* bias, bf16* y,
+                int64_t ldy) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      uint32_t pair;  // x[r][2kp], x[r][2kp + 1]
+      std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof(pair));
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xp, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xp, w1);
+    }
+  }
+  const __mmask16 m0 = lane_mask(std::min<int64_t>(n, 16)), m1 = lane_mask(std::max<int64_t>(n - 16, 0));
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  const __mmask32 cols = n == kPanel ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << n) - 1);
+  for (int r = 0; r < MR; ++r) {
+    const __m512bh out = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc[r][1], b1), _mm512_add_ps(acc[r][0], b0));
+    _mm512_mask_storeu_epi16(y + r * ldy, cols, reinterpret_cast<__m512i>(out));
+  }
+}
+#endif
+
+}  // namespace
+
+// weight [N, K] bf16 -> [num_panels, K/2, kPanel, 2]; columns past N are zero.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "pack_linear_weight: a 2-D bf16 CPU weight expected");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 2 == 0, "pack_linear_weight: in_features must be even, got ", K);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::zeros({num_panels(N), K / 2, kPanel, 2}, weight.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(w.data_ptr());  // bf16 pairs along K
+  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  const int64_t KP = K / 2;
+  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < std::min(kPanel, N - p * kPanel); ++j)
+        for (int64_t kp = 0; kp < KP; ++kp) dst[(p * KP + kp) * kPanel + j] = src[(p * kPanel + j) * KP + kp];
+  });
+  return packed;
+}
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "small_batch_linear: bf16 CPU tensors expected");
+  const int64_t N = out_features, K = x.size(-1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == num_panels(N) && packed.size(1) * 2 == K &&
+                  packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
+              "small_batch_linear: the packed weight does not match in_features ", K, " and out_features ", N);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "small_batch_linear: bias must be [out_features]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor rows = x.reshape({-1, K});
+  const at::Tensor xr = rows.stride(1) == 1 ? rows : rows.contiguous();
+  const int64_t M = xr.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__)
+  const bf16* X = static_cast<const bf16*>(xr.data_ptr());
+  const auto* W = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  const float* B = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  bf16* Y = static_cast<bf16*>(y.data_ptr());
+  const int64_t lda = xr.stride(0), KP = K / 2;
+  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = std::min(kPanel, N - p * kPanel);
+      const uint32_t* panel = W + p * KP * kPanel;
+      const float* b = B ? B + p * kPanel : nullptr;
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const bf16* xm = X + m * lda;
+        bf16* ym = Y + m * N + p * kPanel;
+        switch (std::min(kMaxRows, M - m)) {
+          case 1: panel_rows<1>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 2: panel_rows<2>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 3: panel_rows<3>(xm, lda, panel, KP, n, b, ym, N); break;
+          default: panel_rows<4>(xm, lda, panel, KP, n, b, ym, N); break;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "small_batch_linear: this build has no AVX512-BF16");
+#endif
+  return y.view(out_shape);
+}
+
+}  // namespace tandem_ops
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("small_batch_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("pack_linear_weight", &tandem_ops::pack_linear_weight);
+  m.impl("small_batch_linear", &tandem_ops::small_batch_linear);
+}
