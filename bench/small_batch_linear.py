@@ -1,13 +1,13 @@
 """Decode at low concurrency: the model's linear layers at a few rows, oneDNN's packed matmul vs
 the compiled small_batch_linear, and the engine's decode step with each.
 
-    .venv/bin/python bench/small_batch_linear.py               # default model, rows 1-8
+    .venv/bin/python bench/small_batch_linear.py               # default model, rows 1-48
     .venv/bin/python bench/small_batch_linear.py --rounds 10
 
 Both paths are timed alternately in one process (this machine's speed drifts over minutes), and
 each repetition calls every linear layer of the model once plus the lm_head, as a decode step does;
 GB/s counts the bf16 weights read. The engine part times pure decode steps (context 256) at
-batch 1, 2 and 4 with PackedLinear's switch at 0 rows (oneDNN only) and at its default.
+batch 1-32 with PackedLinear's switch at 0 rows (oneDNN only) and at its default (32).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,48")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16")
     default_rows = packed_linear.SMALL_BATCH_ROWS

@@ -7,11 +7,11 @@ made decode-sized matmuls 20-40% faster on the development machine (the lm_head 
 to 5.5 ms) and left prompt-sized ones (1024+ rows) within noise. The packed tensor replaces the
 plain weight, so memory does not grow (a tied lm_head keeps the embedding and adds its packed copy).
 
-At one to four rows (decode at low concurrency) a linear layer is a weight stream, which oneDNN read
-at ~12 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at ~16 GB/s.
+Up to 32 rows (decode at low concurrency) a linear layer is a weight stream, which oneDNN read at
+~9-14 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at 11-16 GB/s.
 Such layers keep a second copy of the weight in that op's panel layout, so the linear weights take
-twice their size in memory (0.27 GB more for the default model) for a 1.46x faster batch-1 decode
-step (36.5 to 25.0 ms, bench/small_batch_linear.py).
+twice their size in memory (0.27 GB more for the default model) for 1.1-1.3x faster matmuls at
+decode batches of 1-32 (bench/small_batch_linear.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from tandem.ops import extension
 # The row count oneDNN picks its packed format for; decode batches are around this size.
 BATCH_HINT = 256
 # Up to this many rows the weight stream dominates and small_batch_linear is faster
-# (bench/small_batch_linear.py: 1.39x at one row, 1.22x at two, even at four, 0.69x at eight).
-SMALL_BATCH_ROWS = 2
+# (bench/small_batch_linear.py: 1.14-1.33x at 1-32 rows, 0.73x at 48).
+SMALL_BATCH_ROWS = 32
 
 
 def small_batch_supported() -> bool:

@@ -1,23 +1,27 @@
 // bf16 linear layers for a few rows (decode at low concurrency): y = x W^T (+ b) as a weight stream.
 //
-// With one to four rows a linear layer is a matrix-vector product: each weight is used once per
-// row, so its time is the time to read W. oneDNN's matmul (behind F.linear and the pre-packed
-// PackedLinear) read SmolLM2-135M's 269 MB of linear and lm_head weights at ~12 GB/s at batch 1 on
-// the development machine, against 18-22 GB/s for a plain streaming sum; this op reads them at
-// ~16 GB/s (bench/small_batch_linear.py): 23.2 ms to 16.6 ms, and a batch-1 decode step from 36.5
-// to 25.0 ms. At four rows the two are even (the broadcasts and dpbf16s per load start to count).
+// With up to a few dozen rows a linear layer's time is the time to read W: each weight meets only
+// those rows. oneDNN's matmul (behind F.linear and the pre-packed PackedLinear) read SmolLM2-135M's
+// 269 MB of linear and lm_head weights at 9-14 GB/s at 1-32 rows on the development machine,
+// against 18-22 GB/s for a plain streaming sum; this op reads them at 11-16 GB/s, 1.14-1.33x
+// faster (bench/small_batch_linear.py), and a batch-1 decode step went from ~37 to ~25-31 ms.
 //
 //   * W is packed once, at load time, into panels of kPanel = 32 output columns, each panel
-//     [K/2][32] bf16 pairs: one contiguous stream per panel, and each 64-byte load holds 16 columns
-//     x one pair along K, the operand layout of dpbf16;
-//   * each load meets every row (up to kMaxRows at a time, in registers), so W streams from memory
-//     once per group of rows; threads split the panels;
-//   * accumulation is in fp32 (dpbf16), then + bias, rounded once to bf16, as oneDNN does.
-// More rows go in groups of kMaxRows, correct for any count; the caller switches to oneDNN's
-// blocked matmul once compute, not the weight stream, is what limits.
+//     [K/2][32] bf16 pairs: one contiguous stream per panel, in the VNNI layout that both dpbf16
+//     and the AMX tiles read; threads split the panels, and each panel meets every row while it is
+//     in L1, so W streams from memory once per call;
+//   * one or two rows: dpbf16, each 64-byte load of the panel (16 columns x one pair along K)
+//     against every row, accumulators in registers;
+//   * three or more: oneDNN's brgemm micro-kernel on AMX, 32 rows a call, the panel as its B
+//     operand as it is. dpbf16's cost per weight byte grows with the rows (1.0x oneDNN at four),
+//     a tile product's does not;
+//   * accumulation is in fp32, then + bias, rounded once to bf16, as oneDNN does.
+// Past 32 rows the second brgemm shape per panel costs more than it saves (0.73x at 48): the
+// caller switches to oneDNN's blocked matmul there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include "simd.h"
@@ -33,10 +37,29 @@ namespace {
 
 constexpr int64_t kPanel = 32;   // output columns per packed panel
 constexpr int64_t kMaxRows = 4;  // rows whose accumulators are held in registers at once
+constexpr int64_t kDotRows = 2;  // up to here dpbf16, beyond on AMX (when the CPU has it)
+constexpr int64_t kAmxRows = 32; // rows per brgemm call
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #if defined(__AVX512BF16__)
+// The fp32 accumulators of one output row's panel (32 columns as two vectors), plus the bias,
+// rounded once to bf16 and stored (only the n valid columns).
+struct PanelStore {
+  __m512 b0, b1;
+  __mmask32 cols;
+  PanelStore(int64_t n, const float* bias) {
+    const __mmask16 m0 = lane_mask(std::min<int64_t>(n, 16)), m1 = lane_mask(std::max<int64_t>(n - 16, 0));
+    b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    cols = n == kPanel ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << n) - 1);
+  }
+  TANDEM_INLINE void row(__m512 a0, __m512 a1, bf16* y) const {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(a1, b1), _mm512_add_ps(a0, b0));
+    _mm512_mask_storeu_epi16(y, cols, reinterpret_cast<__m512i>(v));
+  }
+};
+
 // Rows [0, MR) of x against one panel (n <= 32 valid columns), written to y.
 template <int MR>
 void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, int64_t n, const float* bias, bf16* y,
@@ -54,13 +77,21 @@ void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, i
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xp, w1);
     }
   }
-  const __mmask16 m0 = lane_mask(std::min<int64_t>(n, 16)), m1 = lane_mask(std::max<int64_t>(n - 16, 0));
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-  const __mmask32 cols = n == kPanel ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << n) - 1);
-  for (int r = 0; r < MR; ++r) {
-    const __m512bh out = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc[r][1], b1), _mm512_add_ps(acc[r][0], b0));
-    _mm512_mask_storeu_epi16(y + r * ldy, cols, reinterpret_cast<__m512i>(out));
+  const PanelStore out(n, bias);
+  for (int r = 0; r < MR; ++r) out.row(acc[r][0], acc[r][1], y + r * ldy);
+}
+
+// Rows of x in blocks of kAmxRows against one panel on AMX (oneDNN's brgemm micro-kernel reads the
+// panel's VNNI layout as it is): with 3-32 rows the dpbf16 count per weight byte grows with the
+// rows, while a tile product costs the same for 3 rows as for 16.
+void panel_rows_amx(const bf16* x, int64_t ldx, int64_t M, const bf16* panel, int64_t K, int64_t n,
+                    const float* bias, bf16* y, int64_t ldy, float* C) {
+  const PanelStore out(n, bias);
+  for (int64_t m = 0; m < M; m += kAmxRows) {
+    const int64_t rows = std::min(kAmxRows, M - m);
+    at::native::cpublas::brgemm(rows, kPanel, K, ldx, kPanel, kPanel, false, x + m * ldx, panel, C, true);
+    for (int64_t r = 0; r < rows; ++r)
+      out.row(_mm512_loadu_ps(C + r * kPanel), _mm512_loadu_ps(C + r * kPanel + 16), y + (m + r) * ldy);
   }
 }
 #endif
@@ -111,6 +142,16 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   const float* B = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   bf16* Y = static_cast<bf16*>(y.data_ptr());
   const int64_t lda = xr.stride(0), KP = K / 2;
+  if (M > kDotRows && at::native::cpublas::could_pack(at::kBFloat16)) {
+    at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+      alignas(64) float C[kAmxRows * kPanel];
+      for (int64_t p = p0; p < p1; ++p)
+        panel_rows_amx(X, lda, M, reinterpret_cast<const bf16*>(W + p * KP * kPanel), K, std::min(kPanel, N - p * kPanel),
+                       B ? B + p * kPanel : nullptr, Y + p * kPanel, N, C);
+      at::native::cpublas::brgemm_release(true);
+    });
+    return y.view(out_shape);
+  }
   at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = std::min(kPanel, N - p * kPanel);
