@@ -23,9 +23,16 @@ from tandem.ops import extension
 
 # The row count oneDNN picks its packed format for; decode batches are around this size.
 BATCH_HINT = 256
+
+
+def _has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 # Up to this many rows the weight stream dominates and small_batch_linear is faster
-# (bench/small_batch_linear.py: 1.14-1.33x at 1-32 rows, 0.73x at 48).
-SMALL_BATCH_ROWS = 32
+# (bench/small_batch_linear.py: 1.2-1.5x at 1-32 rows, 0.73x at 48). Without AMX the op has only
+# its dpbf16 path, which loses to oneDNN from four rows.
+SMALL_BATCH_ROWS = 32 if _has_amx() else 2
 
 
 def small_batch_supported() -> bool:
