@@ -9,7 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kv.host_memory import HUGE_PAGE, huge_page_bytes, huge_page_zeros, huge_pages_supported
+from tandem.kv.host_memory import HUGE_PAGE, huge_page_zeros, huge_pages_supported
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """How many bytes of the mappings under t the kernel backs with huge pages now (/proc/self/smaps)."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total = lo = hi = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+            elif head == "AnonHugePages:" and lo < end and hi > start:
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def _thp_allowed() -> bool:

@@ -2,8 +2,8 @@
 
 Decode attention reads each sequence's blocks from wherever the block table points, so over a
 pool of gigabytes nearly every block costs a TLB miss with 4 KiB pages (a bf16 block of this
-model's K is 6 KiB). With 2 MiB pages the same reads ran 13-15% faster on the development machine
-(bench/attention_op.py --huge-pages, alternating both kinds of pool in one process). Linux backs
+model's K is 6 KiB). With 2 MiB pages the same reads ran 7-20% faster on the development machine
+(bench/attention_op.py --compare-pages, both kinds of pool timed one after the other). Linux backs
 an anonymous private mapping with huge pages when asked with madvise, even where the system-wide
 policy is "madvise" (the common default); the pages are still only committed when first written,
 so a large pool costs nothing until used, as with torch.zeros.
@@ -37,20 +37,3 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     offset = -raw.data_ptr() % HUGE_PAGE
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
-
-def huge_page_bytes(t: torch.Tensor) -> int:
-    """How many bytes of t's memory the kernel backs with huge pages now (Linux; 0 elsewhere)."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total = 0
-    try:
-        with open("/proc/self/smaps") as f:
-            lo = hi = 0
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                elif head == "AnonHugePages:" and lo < end and hi > start:
-                    total += int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return total

@@ -10,7 +10,7 @@ plain weight, so memory does not grow (a tied lm_head keeps the embedding and ad
 Up to 32 rows (decode at low concurrency) a linear layer is a weight stream, which oneDNN read at
 ~9-14 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at 11-16 GB/s.
 Such layers keep a second copy of the weight in that op's panel layout, so the linear weights take
-twice their size in memory (0.27 GB more for the default model) for 1.1-1.3x faster matmuls at
+twice their size in memory (0.27 GB more for the default model) for 1.2-1.5x faster matmuls at
 decode batches of 1-32 (bench/small_batch_linear.py).
 """
 
