@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=CacheConfig.prefault_kv_cache,
+                   help="commit the KV pool's memory at start-up (no first-touch page faults while serving)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--long-prefill-token-threshold", type=int, default=SchedulerConfig.long_prefill_token_threshold,
@@ -45,7 +47,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, prefault_kv_cache=args.prefault_kv_cache,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,

@@ -43,6 +43,8 @@ class CacheConfig:
     # The pool is sized from a memory budget unless num_blocks is given explicitly.
     kv_cache_memory: float = 4.0  # GiB
     num_blocks: int | None = None
+    # Commit the pool's memory at start-up so that no step pays for first-touch page faults (CPU).
+    prefault_kv_cache: bool = True
     enable_prefix_caching: bool = True
     # "builtin" is Python's hash over a tuple (fast, per-process salted); "sha256" resists collisions.
     prefix_caching_hash_algo: str = "builtin"

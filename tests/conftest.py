@@ -48,6 +48,9 @@ def make_llm() -> Callable[..., object]:
     cache: dict[tuple, LLM] = {}
 
     def make(**options: object) -> LLM:
+        if "num_blocks" not in options:
+            # The pools are committed at start-up and these engines live for the whole session.
+            options.setdefault("kv_cache_memory", 0.5)
         key = tuple(sorted(options.items()))
         if key not in cache:
             cache[key] = LLM(**options)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kv.host_memory import HUGE_PAGE, huge_page_zeros, huge_pages_supported
+from tandem.kv.host_memory import HUGE_PAGE, huge_page_zeros, huge_pages_supported, prefault
 
 
-def huge_page_bytes(t: torch.Tensor) -> int:
-    """How many bytes of the mappings under t the kernel backs with huge pages now (/proc/self/smaps)."""
+def mapped_bytes(t: torch.Tensor, field: str) -> int:
+    """A /proc/self/smaps field (e.g. "Rss:", "AnonHugePages:") summed over the mappings under t."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     total = lo = hi = 0
     with open("/proc/self/smaps") as f:
@@ -21,7 +21,7 @@ def huge_page_bytes(t: torch.Tensor) -> int:
             head = line.split(maxsplit=1)[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-            elif head == "AnonHugePages:" and lo < end and hi > start:
+            elif head == field and lo < end and hi > start:
                 total += int(line.split()[1]) * 1024
     return total
 
@@ -55,7 +55,7 @@ def test_memory_outlives_the_name_of_its_mapping() -> None:
 def test_pool_is_backed_by_huge_pages_once_written() -> None:
     t = huge_page_zeros((8 * HUGE_PAGE // 4,), torch.float32)
     t.fill_(1.0)
-    assert huge_page_bytes(t) >= 4 * HUGE_PAGE
+    assert mapped_bytes(t, "AnonHugePages:") >= 4 * HUGE_PAGE
 
 
 def test_engine_pool_uses_it() -> None:
@@ -65,3 +65,30 @@ def test_engine_pool_uses_it() -> None:
     if huge_pages_supported():
         assert pool.data_ptr() % HUGE_PAGE == 0
     assert torch.count_nonzero(pool) == 0
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="needs an anonymous mapping of its own")
+def test_prefault_commits_every_page_and_keeps_zeros() -> None:
+    t = huge_page_zeros((16 * HUGE_PAGE // 2,), torch.bfloat16)  # 16 MiB, committed lazily
+    assert mapped_bytes(t, "Rss:") < 4 * HUGE_PAGE
+    prefault(t)
+    assert mapped_bytes(t, "Rss:") >= 16 * HUGE_PAGE
+    assert torch.count_nonzero(t) == 0
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="needs an anonymous mapping of its own")
+@pytest.mark.parametrize("on", [True, False])
+def test_runner_prefaults_its_pool_unless_told_not_to(tmp_path: Path, on: bool) -> None:
+    from test_tiny_models import build
+
+    from tandem.config import EngineConfig
+    from tandem.engine.core import EngineCore
+    from tandem.model.loader import load_model
+
+    path = build("llama", tmp_path)[0]
+    config = EngineConfig.from_kwargs(str(path), dtype="float32", kv_cache_memory=0.0625, prefault_kv_cache=on)
+    core = EngineCore(config, load_model(str(path), torch.float32).model)
+    pool = core.runner.kv_caches
+    size = pool.numel() * pool.itemsize
+    resident = mapped_bytes(pool, "Rss:")
+    assert resident >= size if on else resident < size // 2

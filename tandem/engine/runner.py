@@ -18,7 +18,7 @@ from tandem.config import EngineConfig
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tandem.kv.host_memory import huge_page_zeros
+from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
 from tandem.model.llama import LlamaForCausalLM
@@ -73,6 +73,8 @@ class ModelRunner:
         arch = model.cfg
         shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = (kv_allocator or default_kv_allocator)(shape, config.model.dtype, self.device)
+        if config.cache.prefault_kv_cache:
+            prefault(self.kv_caches)
         self.layer_hook: LayerHook | None = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
