@@ -69,7 +69,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 5), (8, 2, 128, 16), (6, 2, 48, 16)])  # 48: no AMX tiles
+                         [(9, 3, 64, 16), (4, 4, 32, 5), (8, 2, 128, 16), (6, 2, 48, 16)])  # 48: bf16 tiles
 def test_kernel_matches_reference(case: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                                   block_size: int) -> None:
     args = make_case(CASES[case], heads, kv_heads, head_dim, block_size, dtype, seed=head_dim)
@@ -92,7 +92,7 @@ def test_bad_block_id_raises() -> None:
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 48)],
-                         ids=["amx", "f32-tiles", "bf16-tiles"])
+                         ids=["brgemm", "f32-tiles", "bf16-tiles"])
 def test_strided_query_and_out_rows(dtype: torch.dtype, head_dim: int) -> None:
     # q as a view of a fused qkv projection, the result written into a slice of a larger output.
     q, k, v, tables, qs, lens = make_case(CASES["mixed"], 6, 2, head_dim, 16, dtype, seed=3)

@@ -29,10 +29,10 @@ def _has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-# Up to this many rows the weight stream dominates and small_batch_linear is faster
-# (bench/small_batch_linear.py: 1.2-1.5x at 1-32 rows, 0.73x at 48). Without AMX the op has only
-# its dpbf16 path, which loses to oneDNN from four rows.
-SMALL_BATCH_ROWS = 32 if _has_amx() else 2
+# Up to this many rows small_batch_linear is faster (bench/small_batch_linear.py). On AMX (Sapphire
+# Rapids): 1.2-1.5x at 1-32 rows, 0.73x at 48, where a brgemm call past 32 rows falls off a cliff.
+# With dpbf16 only (Zen 4): 1.5-1.6x at 1-2 rows, 1.3-1.4x at 3-8, 1.12x at 32, 1.02x at 128, even at 256.
+SMALL_BATCH_ROWS = 32 if _has_amx() else 128
 
 
 def small_batch_supported() -> bool:

@@ -8,16 +8,16 @@
 //
 //   * W is packed once, at load time, into panels of kPanel = 32 output columns, each panel
 //     [K/2][32] bf16 pairs: one contiguous stream per panel, in the VNNI layout that both dpbf16
-//     and the AMX tiles read; threads split the panels, and each panel meets every row while it is
+//     and oneDNN's brgemm (AMX tiles or dpbf16) read; threads split the panels, and each panel meets every row while it is
 //     in L1, so W streams from memory once per call;
 //   * one or two rows: dpbf16, each 64-byte load of the panel (16 columns x one pair along K)
 //     against every row, accumulators in registers;
-//   * three or more: oneDNN's brgemm micro-kernel on AMX, 32 rows a call, the panel as its B
-//     operand as it is. dpbf16's cost per weight byte grows with the rows (1.0x oneDNN at four),
-//     a tile product's does not;
+//   * three or more: oneDNN's brgemm micro-kernel (AMX where the CPU has it, dpbf16 otherwise), 32
+//     rows a call, the panel as its B operand as it is. On AMX, our dpbf16 loop's cost per weight
+//     byte grows with the rows (1.0x oneDNN at four), a tile product's does not;
 //   * accumulation is in fp32, then + bias, rounded once to bf16, as oneDNN does.
-// Past 32 rows the second brgemm shape per panel costs more than it saves (0.73x at 48): the
-// caller switches to oneDNN's blocked matmul there.
+// On AMX, past 32 rows the second brgemm shape per panel costs more than it saves (0.73x at 48): the
+// caller switches to oneDNN's blocked matmul there (on a Zen 4 it stays ahead to 128 rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,8 +37,8 @@ namespace {
 
 constexpr int64_t kPanel = 32;   // output columns per packed panel
 constexpr int64_t kMaxRows = 4;  // rows whose accumulators are held in registers at once
-constexpr int64_t kDotRows = 2;  // up to here dpbf16, beyond on AMX (when the CPU has it)
-constexpr int64_t kAmxRows = 32; // rows per brgemm call
+constexpr int64_t kDotRows = 2;  // up to here dpbf16, beyond oneDNN's brgemm
+constexpr int64_t kBrgemmRows = 32; // rows per brgemm call
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
@@ -81,14 +81,13 @@ void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, i
   for (int r = 0; r < MR; ++r) out.row(acc[r][0], acc[r][1], y + r * ldy);
 }
 
-// Rows of x in blocks of kAmxRows against one panel on AMX (oneDNN's brgemm micro-kernel reads the
-// panel's VNNI layout as it is): with 3-32 rows the dpbf16 count per weight byte grows with the
-// rows, while a tile product costs the same for 3 rows as for 16.
-void panel_rows_amx(const bf16* x, int64_t ldx, int64_t M, const bf16* panel, int64_t K, int64_t n,
-                    const float* bias, bf16* y, int64_t ldy, float* C) {
+// Rows of x in blocks of kBrgemmRows against one panel (oneDNN's brgemm micro-kernel reads the
+// panel's VNNI layout as it is), each call's fp32 results through the shared epilogue.
+void panel_rows_brgemm(const bf16* x, int64_t ldx, int64_t M, const bf16* panel, int64_t K, int64_t n,
+                       const float* bias, bf16* y, int64_t ldy, float* C) {
   const PanelStore out(n, bias);
-  for (int64_t m = 0; m < M; m += kAmxRows) {
-    const int64_t rows = std::min(kAmxRows, M - m);
+  for (int64_t m = 0; m < M; m += kBrgemmRows) {
+    const int64_t rows = std::min(kBrgemmRows, M - m);
     at::native::cpublas::brgemm(rows, kPanel, K, ldx, kPanel, kPanel, false, x + m * ldx, panel, C, true);
     for (int64_t r = 0; r < rows; ++r)
       out.row(_mm512_loadu_ps(C + r * kPanel), _mm512_loadu_ps(C + r * kPanel + 16), y + (m + r) * ldy);
@@ -142,11 +141,11 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   const float* B = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   bf16* Y = static_cast<bf16*>(y.data_ptr());
   const int64_t lda = xr.stride(0), KP = K / 2;
-  if (M > kDotRows && at::native::cpublas::could_pack(at::kBFloat16)) {
+  if (M > kDotRows) {
     at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
-      alignas(64) float C[kAmxRows * kPanel];
+      alignas(64) float C[kBrgemmRows * kPanel];
       for (int64_t p = p0; p < p1; ++p)
-        panel_rows_amx(X, lda, M, reinterpret_cast<const bf16*>(W + p * KP * kPanel), K, std::min(kPanel, N - p * kPanel),
+        panel_rows_brgemm(X, lda, M, reinterpret_cast<const bf16*>(W + p * KP * kPanel), K, std::min(kPanel, N - p * kPanel),
                        B ? B + p * kPanel : nullptr, Y + p * kPanel, N, C);
       at::native::cpublas::brgemm_release(true);
     });

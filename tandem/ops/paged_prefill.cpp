@@ -53,9 +53,9 @@ void validate(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
 // are 16 query rows instead: q is transposed once per item into [D][16 rows], so q.k for one key
 // is D FMAs with the key's elements broadcast from memory (no horizontal sums), the online softmax
 // is elementwise over keys (max, exp and sums per lane), and p.V accumulates the transposed output
-// [D][16 rows] with each value element broadcast. The math is float32 FMA whatever the storage:
-// on the CPUs measured, dpbf16 issues at a quarter of the FMA rate, so it does half the work per
-// cycle. Keys and values are widened once per item and chunk, into buffers that stay in L1.
+// [D][16 rows] with each value element broadcast. The math is float32 FMA whatever the storage: these
+// tiles serve float32, and bf16 only where the CPU lacks AVX512-BF16 (bf16 otherwise takes the brgemm
+// path). Keys and values are widened once per item and chunk, into buffers that stay in L1.
 
 constexpr int64_t kKeyChunk = 64;  // keys per online-softmax update
 constexpr int64_t kKeyGroup = 8;   // keys whose scores are accumulated at once (independent chains)
@@ -223,8 +223,8 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kFloat)
     run_prefill_tiles<float>(P, N);
-  else if (prefill_amx_usable(D))
-    run_prefill_amx(P, N);
+  else if (prefill_brgemm_usable(D))
+    run_prefill_brgemm(P, N);
   else
     run_prefill_tiles<bf16>(P, N);
 #else

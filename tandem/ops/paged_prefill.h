@@ -1,5 +1,5 @@
 // Shared by the paged prefill attention kernels (paged_prefill.cpp: entry and AVX512 tiles;
-// paged_prefill_amx.cpp: the AMX path).
+// paged_prefill_brgemm.cpp: the brgemm path).
 #pragma once
 
 #include <cstdint>
@@ -18,8 +18,8 @@ struct PrefillParams {
   float scale;
 };
 
-// The AMX path (bf16): usable for this head_dim on this CPU, and the kernel itself.
-bool prefill_amx_usable(int64_t head_dim);
-void run_prefill_amx(const PrefillParams& P, int64_t n_seqs);
+// The brgemm path (bf16): usable for this head_dim on this CPU, and the kernel itself.
+bool prefill_brgemm_usable(int64_t head_dim);
+void run_prefill_brgemm(const PrefillParams& P, int64_t n_seqs);
 
 }  // namespace tandem_ops
