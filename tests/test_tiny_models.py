@@ -55,11 +55,12 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
     perm = gen.permutation(num_blocks)
     tables = np.stack([perm[i * 12:(i + 1) * 12] for i in range(len(prompts))]).astype(np.int32)
 
-    def run(q_lens: list[int], ctx: list[int], ids: list[int], num_decodes: int, rows: list[int]) -> torch.Tensor:
+    def run(q_lens: list[int], ctx: list[int], ids: list[int], num_decodes: int, rows: list[int],
+            sampled: list[int] | None = None) -> torch.Tensor:
+        idx = np.arange(sum(q_lens)) if sampled is None else np.array(sampled)
         meta = build_attention_metadata(np.array(q_lens), np.array(ctx), tables[rows], num_decodes, block_size,
-                                        torch.device("cpu"))
-        n = sum(q_lens)
-        return model(torch.tensor(ids), meta, kv, torch.arange(n))
+                                        torch.device("cpu"), idx)
+        return model(torch.tensor(ids), meta, kv, torch.from_numpy(idx))
 
     # 1) Every prompt in one packed prefill batch (the 1-token prompt is a 'decode' row, first).
     order = [2, 0, 1, 3]
@@ -80,6 +81,20 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
         # 3) One whole prompt alone: the causal fast path (no gather, no mask).
         logits = run([len(prompts[3])], [0], prompts[3], 0, [3])
         torch.testing.assert_close(logits, ref(torch.tensor([prompts[3]])).logits[0], atol=2e-4, rtol=2e-4)
+        # 4) Logits for a few rows only (each prompt's last and one middle row): the last layer
+        #    attends and runs its MLP for those rows alone, and the pool still gets every row's K/V.
+        lens = [len(prompts[i]) for i in order]
+        ends = np.cumsum(lens)
+        sampled = [int(ends[-1]) - 5] + [int(e) - 1 for e in ends]
+        kv.zero_()
+        logits = run(lens, [0] * 4, sum((prompts[i] for i in order), []), 1, order, sampled)
+        full = torch.cat([ref(torch.tensor([prompts[i]])).logits[0] for i in order])
+        torch.testing.assert_close(logits, full[sampled], atol=2e-4, rtol=2e-4)
+        nxt = [int(gen.integers(0, COMMON["vocab_size"])) for _ in order]
+        logits = run([1] * 4, lens, nxt, 4, order)  # decodes over that pool
+        for row, i in enumerate(order):
+            expected = ref(torch.tensor([prompts[i] + [nxt[row]]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -100,7 +100,7 @@ class ModelRunner:
                 sampling.append(r)
                 logits_indices.append(offset - 1)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
-                                        self.device)
+                                        self.device, np.asarray(logits_indices, dtype=np.int64))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()

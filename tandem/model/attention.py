@@ -59,6 +59,12 @@ class AttentionMetadata:
     prefill_query_start: torch.Tensor  # [Np + 1] int32 offsets of each request's queries among them
     prefill_seq_lens: torch.Tensor  # [Np] int32 context + new tokens
     block_size: int = 16
+    # The rows sampled after the last layer ([S], the order of the logits), when that is fewer than
+    # all rows: the last layer then computes attention and its MLP for these rows only (every row's
+    # K/V is still written), each as a single query over its own context, with these tables.
+    sampled_rows: torch.Tensor | None = None
+    sampled_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
+    sampled_seq_lens: torch.Tensor | None = None  # [S] int32: each row's position + 1
     # Host copies of the multi-token queries' q_lens, context_lens and block tables, from which the
     # fallback's groups are built on first use (never, when the kernel serves every layer).
     _host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -77,8 +83,10 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
-                             num_decodes: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """q_lens[b] new tokens follow context_lens[b] computed ones; decodes (q_len 1) come first."""
+                             num_decodes: int, block_size: int, device: torch.device,
+                             logits_indices: np.ndarray | None = None) -> AttentionMetadata:
+    """q_lens[b] new tokens follow context_lens[b] computed ones; decodes (q_len 1) come first.
+    logits_indices: the rows whose logits the step needs (None: all of them)."""
     seq_lens = context_lens + q_lens
     req_idx = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = token_positions(q_lens, context_lens)
@@ -86,6 +94,12 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
     bt = torch.from_numpy(block_tables)
     prefill_query_start = np.zeros(len(q_lens) - num_decodes + 1, dtype=np.int32)
     np.cumsum(q_lens[num_decodes:], out=prefill_query_start[1:])
+    sampled: dict[str, torch.Tensor] = {}
+    if logits_indices is not None and len(logits_indices) < len(positions):
+        rows = np.asarray(logits_indices, dtype=np.int64)
+        sampled = dict(sampled_rows=torch.from_numpy(rows).to(device),
+                       sampled_block_tables=bt[req_idx[rows]].to(device),
+                       sampled_seq_lens=torch.from_numpy((positions[rows] + 1).astype(np.int32)).to(device))
     return AttentionMetadata(
         positions=torch.from_numpy(positions).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
@@ -96,6 +110,7 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
         prefill_query_start=torch.from_numpy(prefill_query_start).to(device),
         prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:].astype(np.int32)).to(device),
         block_size=block_size,
+        **sampled,
         _host=(q_lens[num_decodes:], context_lens[num_decodes:], block_tables[num_decodes:]),
     )
 
@@ -187,6 +202,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[nd:] = _prefill_attention_torch(qp, k[nd:], v[nd:], k_flat, v_flat, meta.prefill_groups(), scale,
                                                 q.shape[1] != num_kv_heads)
     return out
+
+
+def paged_attention_sampled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Like paged_attention, but the output holds only meta.sampled_rows: [S, H, D]. Every row's K/V
+    goes into the pool; each sampled row attends as one query over keys [0, its position]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    assert meta.sampled_rows is not None and meta.sampled_block_tables is not None
+    if not len(meta.sampled_rows):
+        return q.new_empty(0, *q.shape[1:])
+    return paged_decode_attention(q[meta.sampled_rows], k_cache, v_cache, meta.sampled_block_tables,
+                                  meta.sampled_seq_lens, scale)
 
 
 def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k_flat: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tandem.model.arch import ArchConfig
-from tandem.model.attention import AttentionMetadata, paged_attention
+from tandem.model.attention import AttentionMetadata, paged_attention, paged_attention_sampled
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from tandem.ops import fused
 
@@ -30,7 +30,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sampled_only: bool = False) -> torch.Tensor:
+        """sampled_only: every row's K/V is stored, the output has meta.sampled_rows only."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -38,7 +39,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = fused.rotary(q, k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attend = paged_attention_sampled if sampled_only else paged_attention
+        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -51,14 +53,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sampled_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream (None: first layer);
-        the add is fused into this layer's first norm, as the next layer fuses ours."""
+        the add is fused into this layer's first norm, as the next layer fuses ours. sampled_only:
+        after storing every row's K/V, carry on with meta.sampled_rows alone (the last layer)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, sampled_only)
+        if sampled_only:
+            residual = residual[meta.sampled_rows]
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -82,14 +88,21 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
         Returns logits (in the model's dtype) for the tokens at logits_indices only. after_layer(i) runs once layer
-        i's KV is in the pool (a disaggregated prefill ships it while the next layer computes)."""
+        i's KV is in the pool (a disaggregated prefill ships it while the next layer computes).
+
+        When meta.sampled_rows is set (the same rows as logits_indices, fewer than all), the last layer
+        runs attention, o_proj and the MLP for those rows only: nothing reads the others' outputs."""
         cos, sin = self.rotary.lookup(meta.positions)
         x, residual = self.embed_tokens(input_ids), None
+        last = len(self.layers) - 1
+        skip = meta.sampled_rows is not None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, skip and i == last)
             if after_layer is not None:
                 after_layer(i)
-        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])
+        if not skip:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm.add_forward(x, residual)
         return self.lm_head(x)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
