@@ -92,3 +92,18 @@ def test_runner_prefaults_its_pool_unless_told_not_to(tmp_path: Path, on: bool) 
     size = pool.numel() * pool.itemsize
     resident = mapped_bytes(pool, "Rss:")
     assert resident >= size if on else resident < size // 2
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-prefault-kv-cache"]])
+def test_prefault_flag_reaches_workers(flag: list[str]) -> None:
+    # Disaggregated workers are started with engine_argv of the parent's flags: the choice must survive.
+    import argparse
+
+    from tandem.cli import add_engine_args, engine_argv, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-cache-memory", "0.5", *flag])
+    assert engine_kwargs(args)["prefault_kv_cache"] == (not flag)
+    again = parser.parse_args(engine_argv(args))
+    assert engine_kwargs(again) == engine_kwargs(args)
