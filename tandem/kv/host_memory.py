@@ -48,7 +48,6 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
-
 def prefault(t: torch.Tensor) -> None:
     """Commit every page of a CPU tensor now by writing one zero byte per 4 KiB page (the tensor's
     contents are unchanged only where they were zero: meant for a fresh pool)."""
