@@ -99,10 +99,11 @@ class ModelRunner:
             if start + s.num_new_tokens >= len(tokens):  # reached the end: this request samples
                 sampling.append(r)
                 logits_indices.append(offset - 1)
+        rows = np.asarray(logits_indices, dtype=np.int64)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
-                                        self.device, np.asarray(logits_indices, dtype=np.int64))
+                                        self.device, rows)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        idx = torch.from_numpy(rows).to(self.device)
         t1 = time.perf_counter()
         after_layer = self.layer_hook.plan(items, self.kv_caches) if self.layer_hook is not None else None
         logits = self.model(ids, meta, self.kv_caches, idx, after_layer)

@@ -8,8 +8,8 @@
 //
 //   * W is packed once, at load time, into panels of kPanel = 32 output columns, each panel
 //     [K/2][32] bf16 pairs: one contiguous stream per panel, in the VNNI layout that both dpbf16
-//     and oneDNN's brgemm (AMX tiles or dpbf16) read; threads split the panels, and each panel meets every row while it is
-//     in L1, so W streams from memory once per call;
+//     and oneDNN's brgemm (AMX tiles or dpbf16) read; threads split the panels, and each panel
+//     meets every row while it is in L1, so W streams from memory once per call;
 //   * one or two rows: dpbf16, each 64-byte load of the panel (16 columns x one pair along K)
 //     against every row, accumulators in registers;
 //   * three or more: oneDNN's brgemm micro-kernel (AMX where the CPU has it, dpbf16 otherwise), 32
@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kPanel = 32;   // output columns per packed panel
 constexpr int64_t kMaxRows = 4;  // rows whose accumulators are held in registers at once
 constexpr int64_t kDotRows = 2;  // up to here dpbf16, beyond oneDNN's brgemm
-constexpr int64_t kBrgemmRows = 32; // rows per brgemm call
+constexpr int64_t kBrgemmRows = 32;  // rows per brgemm call
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 

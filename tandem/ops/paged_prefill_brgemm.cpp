@@ -1,4 +1,5 @@
-// Paged prefill attention for bf16 with oneDNN's brgemm micro-kernels, on AMX or AVX512-BF16 (see paged_prefill.cpp for the op and its contract).
+// Paged prefill attention for bf16 with oneDNN's brgemm micro-kernels, on AMX or AVX512-BF16
+// (see paged_prefill.cpp for the op and its contract).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,11 +34,11 @@ namespace {
 // bf16: the two matmuls of a tile as brgemm calls (oneDNN's micro-kernels, as PyTorch's
 // own CPU flash attention uses), the online softmax between them on AVX512.
 // =============================================================================================
-// A work item is (sequence, kv head, kBrgemmQueries queries): its M = kBrgemmQueries x group rows are one
-// matrix A for both products. Keys go in chunks of kBrgemmKeys: S = Q K^T (M x kBrgemmKeys), the softmax
-// update turns S into bf16 weights P, and O += P V (M x D). brgemm takes B in VNNI layout (pairs
-// along the reduction dimension interleaved), so a pre-pass packs each chunk's K^T and V once per
-// call, shared by every item of the sequence, instead of once per item.
+// A work item is (sequence, kv head, kBrgemmQueries queries): its M = kBrgemmQueries x group rows
+// are one matrix A for both products. Keys go in chunks of kBrgemmKeys: S = Q K^T (M x kBrgemmKeys),
+// the softmax update turns S into bf16 weights P, and O += P V (M x D). brgemm takes B in VNNI
+// layout (pairs along the reduction dimension interleaved), so a pre-pass packs each chunk's K^T and
+// V once per call, shared by every item of the sequence, instead of once per item.
 
 constexpr int64_t kBrgemmKeys = 64;     // keys per chunk: N of S = Q K^T, K of O += P V
 constexpr int64_t kBrgemmQueries = 16;  // queries per item
@@ -81,11 +82,12 @@ struct BrgemmScratch {
   std::vector<bf16> p;    // [M][kBrgemmKeys]
   std::vector<float> o;   // [M][D]
   std::vector<float> m, l;
-  BrgemmScratch(int64_t rows, int64_t d) : q(rows * d), s(rows * kBrgemmKeys), p(rows * kBrgemmKeys), o(rows * d), m(rows), l(rows) {}
+  BrgemmScratch(int64_t rows, int64_t d)
+      : q(rows * d), s(rows * kBrgemmKeys), p(rows * kBrgemmKeys), o(rows * d), m(rows), l(rows) {}
 };
 
-void run_brgemm_item(const PrefillParams& P, const PrefillItemBrgemm& it, const uint32_t* kp_seq, const uint32_t* vp_seq,
-                  BrgemmScratch& S) {
+void run_brgemm_item(const PrefillParams& P, const PrefillItemBrgemm& it, const uint32_t* kp_seq,
+                     const uint32_t* vp_seq, BrgemmScratch& S) {
   const int64_t G = P.group, D = P.d, H = P.heads;
   const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
   const int64_t context = P.seq_lens[it.seq] - q_len;
@@ -180,7 +182,8 @@ void run_prefill_brgemm(const PrefillParams& P, int64_t n_seqs) {
   auto work = [&](const PrefillItemBrgemm& a) {
     return (P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]) + a.q1) * (a.q1 - a.q0);
   };
-  std::stable_sort(items.begin(), items.end(), [&](const PrefillItemBrgemm& a, const PrefillItemBrgemm& b) { return work(a) > work(b); });
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const PrefillItemBrgemm& a, const PrefillItemBrgemm& b) { return work(a) > work(b); });
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
   std::atomic<int64_t> next{0};
@@ -196,7 +199,9 @@ void run_prefill_brgemm(const PrefillParams& P, int64_t n_seqs) {
   });
 }
 #else
-void run_prefill_brgemm(const PrefillParams&, int64_t) { TORCH_CHECK(false, "paged_prefill_attention: the brgemm path needs AVX512"); }
+void run_prefill_brgemm(const PrefillParams&, int64_t) {
+  TORCH_CHECK(false, "paged_prefill_attention: the brgemm path needs AVX512");
+}
 #endif  // __AVX512F__
 
 }  // namespace tandem_ops
