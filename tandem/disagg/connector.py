@@ -26,6 +26,7 @@ class LayerwiseKVSend:
 
     def plan(self, items: list[ScheduledRequest], kv_caches: torch.Tensor) -> Callable[[int], None] | None:
         sends: list[tuple[TransferHandle, torch.Tensor, list[int]]] = []
+        progress: dict[str, int] = {}
         for item in items:
             handle: TransferHandle | None = item.request.kv_transfer
             if handle is None:
@@ -37,16 +38,24 @@ class LayerwiseKVSend:
             if end > start:
                 src = torch.tensor(item.block_ids[start:end], dtype=torch.long)
                 sends.append((handle, src, handle.block_ids[start:end]))
-            self._next_block[rid] = max(start, computed // self.block_size)
+            progress[rid] = max(start, computed // self.block_size)
         if not sends:
+            self._next_block.update(progress)
             return None
+        last_layer = kv_caches.shape[0] - 1
 
         def after_layer(layer: int) -> None:
             kv = kv_caches[layer]
             for handle, src, dst in sends:
                 self.sender.write(handle, layer, dst, kv.index_select(1, src))
+            if layer == last_layer:  # a step that fails before this is retried and sends it all again
+                self._next_block.update(progress)
 
         return after_layer
+
+    def reset(self, request_id: str) -> None:
+        """The request starts over (its step was undone): send everything again."""
+        self._next_block.pop(request_id, None)
 
     def finish(self, handle: TransferHandle) -> None:
         self._next_block.pop(handle.request_id, None)

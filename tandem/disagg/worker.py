@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.disagg import wire
+from tandem.disagg import secure, wire
 from tandem.disagg.connector import LayerwiseKVSend
 from tandem.disagg.transport import KVEndpoint, KVReceiver, RoutingSender, TransferHandle, TransferStats, make_receiver
 from tandem.engine.request import Request, RequestStatus
-from tandem.serve.core_proc import IDLE_POLL_MS, CoreInfo, CoreStats, core_info, core_stats
+from tandem.serve.core_proc import IDLE_POLL_MS, CoreInfo, CoreStats, core_info, core_stats, send_failures
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,9 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        secure.client(self.sock, secret, router_addr, wire.MAX_CONTROL_FRAME)
         self.sock.connect(router_addr)
+        self.channel = wire.Channel(secret)
         self.receiver: KVReceiver | None = None
         if role == "decode":
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
@@ -94,7 +96,7 @@ class Worker:
         self.parent_pid: int | None = None  # a worker the router started goes when the router goes
 
     def send(self, *msg: object) -> None:
-        self.sock.send_multipart(wire.sign(self.secret, msg))
+        self.sock.send_multipart(self.channel.sign(msg))
 
     def register(self) -> None:
         self.send("register", WorkerInfo(self.worker_id, self.role, self.info,
@@ -183,6 +185,7 @@ class Worker:
             self.abort(failed)
             self.send("failed", failed, f"engine error: {type(e).__name__}: {e}")
             return
+        outputs = send_failures(outputs, self._report_failure)
         plain = []
         for out in outputs:
             request = self.prefills.get(out.request_id)
@@ -199,6 +202,10 @@ class Worker:
                 self.send("prefilled", out.request_id, out, None, None)
         if plain or not outputs:
             self.send("outputs", plain, self.stats())
+
+    def _report_failure(self, request_ids: list[str], message: str) -> None:
+        self.abort(request_ids)  # forget its transfer state; the engine has freed its blocks
+        self.send("failed", request_ids, message)
 
     def collect_transfers(self) -> None:
         for result in self.sender.poll():
@@ -228,7 +235,7 @@ class Worker:
             events = dict(poller.poll(0 if self.core.has_unfinished() else (5 if self.landing else IDLE_POLL_MS)))
             while events.get(self.sock):
                 try:
-                    msg, _ = wire.verify(self.secret, self.sock.recv_multipart())
+                    msg, _ = self.channel.verify(self.sock.recv_multipart())
                 except wire.AuthError as e:
                     log.warning("dropped a message from the router: %s", e)
                 else:

@@ -14,9 +14,9 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.request import Request
-from tandem.engine.runner import KVAllocator, ModelRunner, StepTimings, num_kv_blocks
+from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
-from tandem.engine.scheduler import Scheduler, SchedulerStats
+from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tandem.model.llama import LlamaForCausalLM
 from tandem.ops.extension import load_extension
 
@@ -35,6 +35,7 @@ class EngineCoreOutput:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -68,6 +69,9 @@ class EngineCore:
         self.last_step = StepStats()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Cumulative step time and tokens computed: what the server's admission control divides.
+        self.busy_s = 0.0
+        self.num_computed_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
                  config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
                  self.max_model_len)
@@ -94,10 +98,12 @@ class EngineCore:
         if sched.is_empty:
             self.last_step = StepStats(schedule_s=t1 - t0)
             return []
-        result = self.runner.execute(sched)
+        generators = {s.request.request_id: s.request.generator.get_state() for s in sched.scheduled
+                      if s.request.generator is not None}
+        result, errors = self._execute_isolating_failures(sched, generators)
         t2 = time.perf_counter()
+        outputs = self._fail(sched, errors, generators) if errors else []
         changed = self.scheduler.update_from_output(sched, result.sampled)
-        outputs = []
         for r, new in changed:
             self.num_generation_tokens += len(new)
             outputs.append(EngineCoreOutput(
@@ -106,6 +112,71 @@ class EngineCore:
                 r.finish_time))
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
+        self.busy_s += time.perf_counter() - t0
+        self.num_computed_tokens += sched.total_num_tokens
+        return outputs
+
+    def _execute_isolating_failures(self, sched: SchedulerOutput, generators: dict[str, torch.Tensor]
+                                    ) -> tuple[RunnerOutput, dict[str, str]]:
+        """Run the step; when it raises, find the requests that make it fail by running halves of it
+        (each half is a valid step on its own) and fail only those: everyone else's tokens are the
+        ones they would have had without them."""
+        try:
+            return self.runner.execute(sched), {}
+        except Exception as e:
+            log.error("engine step of %d requests failed (%s: %s); isolating the cause", len(sched.scheduled),
+                      type(e).__name__, e)
+        merged = RunnerOutput({}, {}, StepTimings())
+        errors: dict[str, str] = {}
+        pending = [sched.scheduled]
+        while pending:
+            items = pending.pop()
+            for s in items:  # a retried request samples from the same random state again
+                if s.request.request_id in generators:
+                    s.request.generator.set_state(generators[s.request.request_id])
+            try:
+                part = self.runner.execute(SchedulerOutput(items))
+            except Exception as e:
+                if len(items) == 1:
+                    errors[items[0].request.request_id] = f"engine error: {type(e).__name__}: {e}"
+                else:
+                    pending += [items[:len(items) // 2], items[len(items) // 2:]]
+                continue
+            merged.sampled.update(part.sampled)
+            merged.logprobs.update(part.logprobs)
+        return merged, errors
+
+    def _fail(self, sched: SchedulerOutput, errors: dict[str, str],
+              generators: dict[str, torch.Tensor]) -> list[EngineCoreOutput]:
+        """Finish the failing requests with an error and drop them from the step. Their blocks that
+        this step was to fill leave the prefix cache, and a request that shared one of them within
+        the step read KV that was never written: it is undone and computed again (preempted), which
+        loses nothing."""
+        failed = {s.request.request_id: s.request for s in sched.scheduled if s.request.request_id in errors}
+        unwritten = {b for r in failed.values() for b in self.scheduler.kv.uncache_uncomputed(r)}
+        redo: dict[str, Request] = {}
+        grew = True
+        while grew:  # sharing is transitive: whoever read a redone request's new blocks is redone too
+            grew = False
+            for s in sched.scheduled:
+                rid = s.request.request_id
+                if rid not in failed and rid not in redo and unwritten.intersection(s.block_ids):
+                    redo[rid] = s.request
+                    unwritten |= set(self.scheduler.kv.uncache_uncomputed(s.request))
+                    grew = True
+        sched.scheduled = [s for s in sched.scheduled if s.request.request_id not in failed | redo.keys()]
+        for rid, request in redo.items():
+            if rid in generators:
+                request.generator.set_state(generators[rid])
+            if self.runner.layer_hook is not None:
+                self.runner.layer_hook.reset(rid)
+            self.scheduler.requeue(rid)
+        outputs = []
+        for rid, request in failed.items():
+            log.error("request %s failed: %s", rid, errors[rid])
+            self.scheduler.fail(rid)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="error", num_cached_tokens=request.num_cached_tokens,
+                                            finish_time=request.finish_time, error=errors[rid]))
         return outputs
 
     def stats(self) -> SchedulerStats:

@@ -24,6 +24,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 6
     # Disaggregated prefill: the first token is sampled and the KV sent; decoding goes on elsewhere.
     FINISHED_TRANSFERRED = 7
+    # A step failed because of this request (found by retrying the step without it).
+    FINISHED_ERROR = 8
 
     @property
     def finished(self) -> bool:
@@ -32,7 +34,7 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass(eq=False)
@@ -43,6 +45,11 @@ class Request:
     eos_token_id: int | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # vLLM's meaning: lower is served (and kept from preemption) first
+    # Who the request belongs to (an API key's id, or a header the operator names) and its share of
+    # the prompt-token budget against other tenants with work.
+    tenant: str | None = None
+    tenant_weight: float = 1.0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -53,6 +53,9 @@ class LayerHook(Protocol):
 
     def plan(self, items: list[ScheduledRequest], kv_caches: torch.Tensor) -> Callable[[int], None] | None: ...
 
+    def reset(self, request_id: str) -> None:
+        """Forget what was done for a request whose step is undone (it is computed again)."""
+
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import CacheConfig, SchedulerConfig
+from tandem.engine.fair_queue import FairQueue
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.manager import KVCacheManager
 
@@ -42,6 +43,27 @@ class SchedulerOutput:
 
 
 @dataclass
+class _Step:
+    """What one schedule() call has handed out so far."""
+
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.scheduled[request.request_id] = self.scheduled.get(request.request_id, 0) + num_new
+        self.budget -= num_new
+
+    def remove(self, request: Request) -> None:
+        self.budget += self.scheduled.pop(request.request_id, 0)
+
+
+def preemption_order(request: Request) -> tuple[int, float]:
+    """The largest is preempted first: the lowest priority (highest value), then the newest."""
+    return request.priority, request.arrival_time
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -58,8 +80,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_caching_hash_algo, cache_config.enable_kv_events)
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []
+        # Disaggregated decode: admitted with their KV in place, waiting only for a seat.
+        self._ready: deque[Request] = deque()
         # Disaggregated decode: requests holding reserved blocks while their KV arrives.
         self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -72,7 +96,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request at any moment; its blocks are freed at once."""
@@ -82,9 +106,24 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def requeue(self, request_id: str) -> None:
+        """Undo a running request's progress: free its blocks and queue it to be computed again."""
+        request = self.requests[request_id]
+        self.running.remove(request)
+        self._preempt(request)
+
+    def fail(self, request_id: str) -> Request | None:
+        """Finish a request the engine could not run (finish reason "error"); its blocks are freed."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return request
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self._ready:
+            self._ready.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -129,66 +168,116 @@ class Scheduler:
         if generator_state is not None and request.generator is not None:
             request.generator.set_state(generator_state)  # seeded sampling continues the same stream
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)  # it holds its blocks already: serve it first
+        self._ready.append(request)  # it holds its blocks already: it needs only a seat
         return True
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        lookahead = self.config.num_lookahead_tokens
-        scheduled: dict[str, int] = {}
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget,
-                          self._chunk_cap)
-            if num_new <= 0:
-                i += 1
-                continue
-            while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is request:
-                    break
-            else:
-                scheduled[request.request_id] = num_new
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted; everyone after it already was
-
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, self._chunk_cap)
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if self.kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=lookahead) is None:
-                break
-            self.waiting.popleft()
-            if request.scheduled_time is None:  # first admission, not a resume
-                request.num_cached_tokens = num_hit_tokens
-                self.kv.record_prefix_lookup(request, num_hit_tokens)
-            request.num_computed_tokens += num_hit_tokens
+        step = _Step(self.config.max_num_batched_tokens)
+        while self._ready and len(self.running) < self.config.max_num_seqs:
+            request = self._ready.popleft()
             request.status = RequestStatus.RUNNING
-            if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
             self.running.append(request)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-
+        # Running requests past their prompt first, oldest first: one token each (plus drafts), so
+        # no prompt, however long, ever stalls a stream.
+        for request in list(self.running):
+            if step.budget <= 0:
+                break
+            num_new = self._num_new(request)
+            if request.status != RequestStatus.RUNNING or num_new <= 0 or self._is_prompt_work(request):
+                continue
+            num_new = min(num_new, step.budget)
+            if self._allocate_or_preempt(request, num_new, step):
+                step.add(request, num_new)
+        self._schedule_prompts(step)
         for request in self.running:
-            n = scheduled.get(request.request_id)
+            n = step.scheduled.get(request.request_id)
             if n:
-                out.scheduled.append(ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id)))
-        return out
+                step.out.scheduled.append(ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id)))
+        return step.out
+
+    def _schedule_prompts(self, step: _Step) -> None:
+        """Prompt chunks of running requests and new admissions, shared between tenants: the tenant
+        with the least virtual time goes next, taking at most an equal share of what is left while
+        other tenants have work too."""
+        partial: dict[str | None, deque[Request]] = {}
+        for request in self.running:
+            if request.request_id not in step.scheduled and self._is_prompt_work(request):
+                partial.setdefault(request.tenant, deque()).append(request)
+        active = set(partial) | set(self.waiting.tenants())
+        self.waiting.sync_active(active)
+        admitting = True  # a waiting head that does not fit stops admissions: nobody overtakes it for blocks
+        while step.budget > 0 and active:
+            tenant = min(active, key=self.waiting.vtime)
+            queue = partial.get(tenant)
+            request = queue.popleft() if queue else None
+            if request is not None and request.status != RequestStatus.RUNNING:
+                continue  # preempted meanwhile: it waits in the queue now
+            if request is None:
+                request = self.waiting.head(tenant)
+                if request is None or not admitting or len(self.running) >= self.config.max_num_seqs:
+                    active.discard(tenant)
+                    continue
+            share = step.budget
+            if len(active) > 1 and self.config.enable_chunked_prefill:
+                share = max(step.budget // len(active), self.kv.block_size)
+            num_new = self._schedule_prompt(request, min(share, step.budget), step)
+            if num_new:
+                self.waiting.charge(tenant, num_new, request.tenant_weight)
+            elif request.status != RequestStatus.RUNNING:
+                admitting = False
+
+    def _schedule_prompt(self, request: Request, cap: int, step: _Step) -> int:
+        """Schedule one prompt chunk of at most cap tokens; the number scheduled (0: it did not fit)."""
+        if request.status == RequestStatus.RUNNING:
+            num_new = min(self._num_new(request), cap, self._chunk_cap)
+            if not self._allocate_or_preempt(request, num_new, step):
+                return 0
+            step.add(request, num_new)
+            return num_new
+        hits, num_hit_tokens = [], 0
+        if request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, self._chunk_cap)
+        if num_new > cap:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = cap
+        if self.kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=self.config.num_lookahead_tokens) \
+                is None:
+            return 0
+        self.waiting.pop(request.tenant)  # it is its tenant's head
+        if request.scheduled_time is None:  # first admission, not a resume
+            request.num_cached_tokens = num_hit_tokens
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
+            request.scheduled_time = time.monotonic()
+        request.num_computed_tokens += num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+        return num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
+        """Slots for a running request, preempting the least important running request (lowest
+        priority, newest) while the pool is dry; False if that was the request itself."""
+        while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.config.num_lookahead_tokens) is None:
+            victim = max(self.running, key=preemption_order)
+            self.running.remove(victim)
+            step.remove(victim)
+            self._preempt(victim)
+            step.out.num_preempted += 1
+            if victim is request:
+                return False
+        return True
+
+    @staticmethod
+    def _num_new(request: Request) -> int:
+        return request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+
+    @staticmethod
+    def _is_prompt_work(request: Request) -> bool:
+        """More than the newest token left to compute: a prompt (or a resumed request's recompute)."""
+        return request.num_tokens - request.num_computed_tokens > 1
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -197,7 +286,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request)
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
@@ -246,5 +335,5 @@ class Scheduler:
         return None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage().usage, self.num_preemptions,
-                              self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self._ready), self.kv.usage().usage,
+                              self.num_preemptions, self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)

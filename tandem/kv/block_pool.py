@@ -99,6 +99,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget a block's hash while it is in use (its KV turned out not to be written)."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

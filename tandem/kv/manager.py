@@ -122,6 +122,16 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i], parent, request.cache_salt)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
+    def uncache_uncomputed(self, request: Request) -> list[int]:
+        """Withdraw the request's blocks past its computed tokens from the prefix cache (a step that
+        was to fill them failed) and return their ids, so that nobody reads KV that was never written."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        for block in blocks[first:]:
+            self.pool.uncache(block)
+        self._num_cached_blocks[request.request_id] = min(self._num_cached_blocks.get(request.request_id, 0), first)
+        return [b.block_id for b in blocks[first:]]
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)

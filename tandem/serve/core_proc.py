@@ -18,6 +18,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -103,6 +104,15 @@ def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
                      core.num_generation_tokens, time.monotonic())
 
 
+def send_failures(outputs: list, send: Callable[[list[str], str], None]) -> list:
+    """Report the requests a step failed (each fails alone: a 500 for it, nobody else) and return the
+    other outputs."""
+    for o in outputs:
+        if o.error is not None:
+            send([o.request_id], o.error)
+    return [o for o in outputs if o.error is None]
+
+
 def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> None:  # noqa: ANN001
     seq = 0
     poller = zmq.Poller()
@@ -134,6 +144,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> 
             core.abort(failed)
             out.send_pyobj(("failed", failed, f"engine error: {type(e).__name__}: {e}"))
             continue
+        outputs = send_failures(outputs, lambda ids, message: out.send_pyobj(("failed", ids, message)))
         out.send_pyobj(("outputs", outputs, core_stats(core)))
         if kv_pub is not None:
             changes = core.scheduler.kv.pool.take_events()
