@@ -107,7 +107,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = [os.environ["TANDEM_API_KEY"]]
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
-                              args.log_level.upper(), args.kv_events_endpoint)
+                              args.log_level.upper(), args.kv_events_endpoint,
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              max_prompt_chars=args.max_prompt_chars,
+                              trust_request_chat_template=args.trust_request_chat_template)
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.router_bind:
@@ -186,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--uvicorn-log-level", default="warning")
     srv.add_argument("--kv-events-endpoint", default=None,
                      help="publish prefix-cache block events on this ZeroMQ PUB address (e.g. tcp://127.0.0.1:5557)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                     help="larger request bodies get 413 (checked before they are read)")
+    srv.add_argument("--max-prompt-chars", type=int, default=1_000_000,
+                     help="characters of text (all prompts or messages) per request, checked before tokenizing")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a chat_template in chat requests (rendered in a sandbox process with a time "
+                     "and a size budget); refused with 400 by default")
     dis = srv.add_argument_group("disaggregation (a router in front of prefill and decode workers)")
     dis.add_argument("--prefill-workers", type=int, default=0, help="prefill workers to start on this host")
     dis.add_argument("--decode-workers", type=int, default=0, help="decode workers to start on this host")

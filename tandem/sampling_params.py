@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes [-2**63, 2**64) and wraps negatives; one documented range keeps
+# a seed meaning one stream (n > 1 children use seed + i, still below 2**64).
+MAX_SEED = 2**63
+
+
+class ParamError(ValueError):
+    """A bad request setting; `param` names the field, as an OpenAI error's `param` does."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -45,24 +58,39 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        """Raise ValueError with the offending field's name, as an API error would name its param."""
-        checks: list[tuple[bool, str]] = [
-            (self.n >= 1, "n must be at least 1"),
-            (self.temperature >= 0, "temperature must be non-negative"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be -1 (disabled), 0 (disabled) or positive"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be positive"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (all(isinstance(s, str) and s for s in self.stop_strings), "stop must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        """Raise ParamError naming the offending field, as an API error names its param. The checks
+        here need no model; InputProcessor.validate adds those that do (vocabulary, context)."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            # NaN fails every comparison below with a misleading message; inf would pass some of them.
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ParamError(f"{name} must be a finite number", name)
+        checks: list[tuple[bool, str, str]] = [
+            (_is_int(self.n) and self.n >= 1, "n", "n must be at least 1"),
+            (self.temperature >= 0, "temperature", "temperature must be non-negative"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (_is_int(self.top_k) and self.top_k >= 0, "top_k", "top_k must be -1 (disabled), 0 (disabled) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+             f"seed must be an integer in [0, 2**63) (got {self.seed})"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be positive"),
+            (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             "max_tokens must be at least 1"),
+            (_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must be <= max_tokens"),
+            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+             "logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be non-empty strings"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative integers"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(message, param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -14,9 +14,19 @@ from tandem.engine.core import EngineCoreOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.request import Request
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import ParamError, SamplingParams
 
 PromptType = str | list[int]
+
+
+def check_encodable(text: str, param: str | None = None) -> None:
+    """Raise ParamError for text that has no UTF-8 form: a lone surrogate (a JSON "\\ud800" escape
+    decodes to one). The tokenizer would fail on it with a TypeError that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(f"{param or 'the text'} cannot be encoded as UTF-8: it has a lone surrogate "
+                         f"({text[e.start]!r} at position {e.start})", param) from None
 
 
 @dataclass(frozen=True)
@@ -39,12 +49,14 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             if not prompt:
                 raise ValueError("prompt is empty")
+            check_encodable(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a prompt is a string or a list of token ids")
         return None, list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks that need the model; a ParamError names the field (None: the prompt)."""
         lim = self.limits
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -60,6 +72,15 @@ class InputProcessor:
         if not lim.enable_chunked_prefill and len(prompt_ids) > lim.max_num_batched_tokens:
             raise ValueError(f"the prompt is {len(prompt_ids)} tokens, more than max_num_batched_tokens "
                              f"({lim.max_num_batched_tokens}) with chunked prefill disabled")
+        if len(prompt_ids) + params.min_tokens > lim.max_model_len:
+            raise ParamError(f"this model's maximum context length is {lim.max_model_len} tokens, but the prompt "
+                             f"({len(prompt_ids)}) plus min_tokens ({params.min_tokens}) exceed it", "min_tokens")
+        if params.top_k > lim.vocab_size:
+            raise ParamError(f"top_k must be at most the vocabulary size ({lim.vocab_size}); -1 or 0 disable it",
+                             "top_k")
+        outside = [t for t in params.stop_token_ids if t >= lim.vocab_size]
+        if outside:
+            raise ParamError(f"stop_token_ids must be in [0, {lim.vocab_size}) (got {outside[0]})", "stop_token_ids")
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       cache_salt: str | None = None, arrival_time: float | None = None) -> list[Request]:

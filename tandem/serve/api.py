@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,25 +14,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import tandem
 from tandem.config import EngineConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.serve.async_engine import AsyncEngine, EngineClient, EngineDeadError, EngineRequestError
+from tandem.serve.async_engine import AsyncEngine, EngineClient
+from tandem.serve.errors import APIError, bad_request, install_error_handlers
 from tandem.serve.metrics import RequestTimer, ServerMetrics
+from tandem.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from tandem.serve.openai_format import Formatter, usage
 from tandem.serve.protocol import (
+    ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
 )
-
-log = logging.getLogger(__name__)
+from tandem.serve.template_sandbox import TemplateSandbox
+from tandem.serve.text_worker import TextWorker
 
 
 @dataclass
@@ -44,17 +45,10 @@ class ServerSettings:
     request_timeout: float | None = 600.0
     log_level: str = "WARNING"
     kv_events_endpoint: str | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "BadRequestError", param)
+    max_request_body_bytes: int = 8 << 20
+    max_prompt_chars: int = 1_000_000  # all prompts or messages of one request, checked before tokenizing
+    trust_request_chat_template: bool = False  # render a request's chat_template (in a sandbox process)
+    chat_template_timeout: float = 2.0  # seconds a request's template may render before it is killed
 
 
 class APIKeyMiddleware:
@@ -85,6 +79,11 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
     state: dict[str, Any] = {}
     key_salts = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in settings.api_keys}
+    text: TextWorker | None = None
+    if tokenizer is not None:
+        sandbox = TemplateSandbox(tokenizer.special_tokens_map, settings.chat_template_timeout,
+                                  settings.max_prompt_chars) if settings.trust_request_chat_template else None
+        text = TextWorker(tokenizer, settings.max_prompt_chars, sandbox)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,32 +92,22 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         state["model"] = settings.served_model_name or engine.info.model_name
         state["metrics"] = ServerMetrics(state["model"])
         engine.attach_metrics(state["metrics"])
+        if text is not None:
+            await text.start()
         yield
+        if text is not None:
+            text.close()
         await engine.shutdown()
 
-    app = FastAPI(title="Tandem", version=tandem.__version__, lifespan=lifespan)
+    app = FastAPI(title="Tandem", version=tandem.__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.engine = engine
+    install_error_handlers(app)
 
-    # -- errors -------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.status, e.param), e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "BadRequestError", 400, loc[0] if loc else None), 400)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return JSONResponse(error_body(f"internal server error: {type(e).__name__}: {e}", "InternalServerError",
-                                       500), 500)
-
+    # Outermost last: every response, a 401 or a 413 too, carries the request id.
     if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, key_salts=key_salts)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
 
     # -- helpers ------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
@@ -139,27 +128,30 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             return cache_salt
         return f"{tenant}:{cache_salt or ''}"
 
-    def tokenize(prompt: str | list[int]) -> list[int]:
+    def need_text() -> TextWorker:
+        if text is None:
+            raise bad_request("this model has no tokenizer: send token ids", "prompt")
+        return text
+
+    async def tokenize(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if tokenizer is None:
-                raise bad_request("this model has no tokenizer: send token ids", "prompt")
             if not prompt:
                 raise bad_request("prompt is empty", "prompt")
-            return tokenizer.encode(prompt, add_special_tokens=True)
+            return await need_text().encode(prompt)
         return list(prompt)
 
     def validate(ids: list[int], params: SamplingParams, param: str) -> None:
         assert engine.inputs is not None
         try:
             engine.inputs.validate(ids, params)
-        except ValueError as e:
-            raise bad_request(str(e), param) from e
+        except ValueError as e:  # a ParamError names its field; the others are about the prompt
+            raise bad_request(str(e), getattr(e, "param", None) or param) from e
 
     def make_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
-            raise bad_request(str(e)) from e
+            raise bad_request(str(e), getattr(e, "param", None)) from e
 
     async def tracked(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Feed the latency histograms from what the client actually receives."""
@@ -273,7 +265,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         if not engine.healthy:
             return JSONResponse(error_body(engine.dead or "engine is not running", "ServiceUnavailableError", 503),
                                 503)
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -292,12 +284,10 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     @app.post("/tokenize")
     async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer")
         if body.messages is not None:
-            ids = chat_prompt_ids([m.as_template_dict() for m in body.messages], True, None)
+            ids = await need_text().chat_ids([m.as_template_dict() for m in body.messages], True)
         elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await need_text().encode(body.prompt, body.add_special_tokens)
         else:
             raise bad_request("give prompt or messages", "prompt")
         assert engine.info is not None
@@ -306,34 +296,25 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     @app.post("/detokenize")
     async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer")
+        worker = need_text()
         assert engine.info is not None
         if any(t >= engine.info.vocab_size for t in body.tokens):
             raise bad_request(f"token ids must be below {engine.info.vocab_size}", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
-
-    def chat_prompt_ids(messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        template: str | None) -> list[int]:
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 chat_template=template)
-        except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
-        return tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": await worker.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = make_params(body, body.max_tokens, body.logprobs)
         texts = [p if isinstance(p, str) else None for p in body.prompts()]
-        prompts = [tokenize(p) for p in body.prompts()]
+        if any(texts):
+            need_text().check_chars([t for t in texts if t], "prompt")  # the batch's, before any is tokenized
+        prompts = [await tokenize(p) for p in body.prompts()]
         for ids in prompts:
             validate(ids, params, "prompt")
         check_capacity(len(prompts))
         fmt = Formatter(tokenizer, state["model"], f"cmpl-{uuid.uuid4().hex}", chat=False)
-        echo = [t if t is not None else (tokenizer.decode(ids) if tokenizer else "")
+        echo = [t if t is not None else (await text.decode(ids) if text else "")
                 for t, ids in zip(texts, prompts, strict=True)] if body.echo else None
         streams = open_streams(prompts, params, texts, salt_for(request, body.cache_salt))
         n_prompt = sum(len(p) for p in prompts)
@@ -354,12 +335,12 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if tokenizer is None:
+        if text is None:
             raise bad_request("this model has no tokenizer, so it has no chat template")
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.logprobs_count())
-        ids = chat_prompt_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
-                              body.chat_template)
+        ids = await text.chat_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                                  body.chat_template)
         if params.max_tokens is None:
             assert engine.info is not None
             params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
@@ -376,14 +357,5 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
         n_out = sum(len(o.token_ids) for o in final.outputs)
         return JSONResponse(fmt.response(choices, usage(len(ids), n_out)))
-
-    # Engine failures map to 500/503 with a message; the server keeps serving.
-    @app.exception_handler(EngineRequestError)
-    async def _engine_error(_: Request, e: EngineRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "InternalServerError", 500), 500)
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "ServiceUnavailableError", 503), 503)
 
     return app

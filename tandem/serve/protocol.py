@@ -4,11 +4,42 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
-from tandem.sampling_params import SamplingParams
+from tandem.engine.processor import check_encodable
+from tandem.sampling_params import MAX_SEED, SamplingParams
 
-NonNegInt = Annotated[int, Field(ge=0)]
+INT32 = 2**31
+# Strict: JSON true and 1.0 are not token ids. The vocabulary bound is the engine's (InputProcessor).
+TokenId = Annotated[StrictInt, Field(ge=0, lt=INT32)]
+
+
+def _encodable(value: Any, info: ValidationInfo) -> Any:
+    for item in value if isinstance(value, list) else [value]:
+        text = item.text if isinstance(item, ContentPart) else item
+        if isinstance(text, str):
+            check_encodable(text, info.field_name)
+    return value
+
+
+# Every string that reaches the tokenizer, a template or an error message must have a UTF-8 form.
+# The check goes after a union (not inside it), so that an error's location is the field's name.
+Text = Annotated[str, AfterValidator(_encodable)]
+Texts = Annotated[str | list[str], AfterValidator(_encodable)]
+
+
+def _finite(default: float | None, **bounds: float) -> Any:
+    # JSON bodies may carry NaN and Infinity (Python's json reads them); no sampling knob means anything then.
+    return Field(default, allow_inf_nan=False, **bounds)
 
 
 class StreamOptions(BaseModel):
@@ -21,25 +52,28 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are accepted and ignored
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    temperature: float | None = _finite(None, ge=0, le=2)
+    top_p: float | None = _finite(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, lt=INT32)  # -1 and 0 disable it; the vocabulary bounds it
+    min_p: float | None = _finite(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    presence_penalty: float = _finite(0.0, ge=-2, le=2)
+    frequency_penalty: float = _finite(0.0, ge=-2, le=2)
+    repetition_penalty: float = _finite(1.0, gt=0)
+    stop: Texts | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT32)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
+    # vLLM's meaning: a lower value is scheduled first. Validated here; the scheduler honours it.
+    priority: int = Field(0, ge=-INT32, lt=INT32)
+    timeout: float | None = _finite(None, gt=0)  # seconds for this request (at most --request-timeout)
 
     @field_validator("stop")
     @classmethod
@@ -63,16 +97,25 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], AfterValidator(_encodable)]
+    max_tokens: int | None = Field(16, ge=1, lt=INT32)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _prompt_non_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
+    def _prompt_shape(cls, v: Any, handler: Any) -> Any:
+        # The union's own error lists one failure per member; one sentence says more.
+        try:
+            v = handler(v)
+        except ValidationError as e:
+            encoding = [err["msg"] for err in e.errors() if "UTF-8" in err["msg"]]
+            if encoding:
+                raise ValueError(encoding[0].removeprefix("Value error, ")) from None
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers in "
+                             f"[0, {INT32})), or a list of such lists") from None
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty")
         return v
 
@@ -87,15 +130,15 @@ class CompletionRequest(_SamplingFields):
 
 class ContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: str  # checked by the message's content validator, which names the field
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Annotated[str | list[ContentPart], AfterValidator(_encodable)] | None = None
+    name: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -107,28 +150,49 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    chat_template: Text | None = None  # refused unless the server runs with --trust-request-chat-template
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[NonNegInt]
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# Documented on every route, so the schema says what every 4xx and 5xx looks like (and FastAPI
+# adds no 422: validation errors are 400s here).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "The request's error (OpenAI-shaped)"},
+    "5XX": {"model": ErrorResponse, "description": "The server's error (OpenAI-shaped)"},
+}
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    # A message may quote the request (a model name, a template error); keep it encodable as UTF-8.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,84 @@
+"""The tokenizer's work for the HTTP process (tokenize, render chat templates, detokenize), off the
+event loop and within limits, so that one large prompt never stalls every other request's stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tandem.engine.processor import check_encodable
+from tandem.sampling_params import ParamError
+from tandem.serve.errors import bad_request
+from tandem.serve.template_sandbox import TemplateError, TemplateSandbox
+
+T = TypeVar("T")
+
+
+class TextWorker:
+    """One worker thread, as vLLM keeps one: a fast tokenizer shared across threads can fail with
+    "Already borrowed", and one thread already frees the event loop. A request's own chat template
+    goes to the sandbox (a process) if the server trusts request templates, and is refused if not."""
+
+    def __init__(self, tokenizer: Any, max_prompt_chars: int, sandbox: TemplateSandbox | None) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars
+        self.sandbox = sandbox
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenizer")
+
+    async def start(self) -> None:
+        if self.sandbox is not None:
+            await self.sandbox.start()
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def check_chars(self, texts: Iterable[str], param: str) -> None:
+        """Before tokenizing: the request's text, all prompts or messages together, within the limit."""
+        total = sum(len(t) for t in texts)
+        if total > self.max_prompt_chars:
+            raise bad_request(f"the request's text is {total} characters, more than this server's limit of "
+                              f"{self.max_prompt_chars} (--max-prompt-chars)", param)
+
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_chars([text], param)
+        return await self._run(self._encode, text, add_special_tokens, param)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._run(self.tokenizer.decode, ids)
+
+    async def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       template: str | None = None) -> list[int]:
+        self.check_chars((m["content"] for m in messages), "messages")
+        if template is None:  # the model's own template: trusted, rendered here
+            return await self._run(self._render_and_encode, messages, add_generation_prompt)
+        if self.sandbox is None:
+            raise bad_request("this server does not accept a chat_template in the request "
+                              "(start it with --trust-request-chat-template)", "chat_template")
+        try:
+            text = await self.sandbox.render(messages, template, add_generation_prompt)
+        except TemplateError as e:
+            raise bad_request(str(e), "chat_template") from e
+        return await self._run(self._encode, text, False, "chat_template")
+
+    # -- on the worker thread -------------------------------------------------------------------
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            check_encodable(text, param)
+        except ParamError as e:
+            raise bad_request(str(e), param) from e
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+        return self._encode(text, False, "messages")
