@@ -36,7 +36,7 @@ class TemplateSandbox:
     template delays only other requests' templates, never tokenization or the event loop."""
 
     def __init__(self, variables: dict[str, Any], timeout: float = 2.0, max_chars: int = 1_000_000,
-                 max_memory_bytes: int = 1 << 30) -> None:
+                 max_memory_bytes: int = 512 << 20) -> None:
         self.variables = variables  # what apply_chat_template passes besides the messages: the special tokens
         self.timeout, self.max_chars, self.max_memory_bytes = timeout, max_chars, max_memory_bytes
         self._proc: subprocess.Popen[bytes] | None = None
