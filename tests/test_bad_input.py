@@ -18,6 +18,11 @@ OK = SamplingParams(temperature=0, max_tokens=4)
     ([1, 2, 10**9], OK, "token ids must be in"),
     ("hello " * 9000, OK, "maximum context length"),
     ("hello", SamplingParams(max_tokens=9000), "maximum context length"),
+    ("hello", SamplingParams(max_tokens=4, top_k=10**6), "vocabulary size"),
+    ("hello", SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "stop_token_ids"),
+    ("hello", SamplingParams(max_tokens=None, min_tokens=10**6), "min_tokens"),
+    ("a\ud800b", OK, "lone surrogate"),
+    ([1, True], OK, "string or a list of token ids"),
 ])
 def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm_fp32, prompt, params, message) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=message):
@@ -40,6 +45,11 @@ def test_a_bad_prompt_rejects_the_whole_call(llm_fp32) -> None:  # noqa: ANN001
     ({"min_p": 2}, "min_p"),
     ({"logprobs": 100}, "logprobs"),
     ({"stop": [""]}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"temperature": float("nan")}, "temperature must be a finite"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite"),
+    ({"top_k": -2}, "top_k"),
 ])
 def test_bad_sampling_params(kwargs, message) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=message):
