@@ -11,9 +11,17 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.
            "float16": torch.float16, "fp16": torch.float16}
 
 
+def auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively (AVX512-BF16, AMX, AVX-NE-CONVERT), else float32:
+    on plain AVX2 bf16 matmuls are emulated and slower than float32 ones."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return auto_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
@@ -31,7 +39,7 @@ class ModelConfig:
     """Where the weights come from and how they are held."""
 
     model: str | None = None  # GGUF file, HF directory, or None for the default model
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = field(default_factory=auto_dtype)
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
     seed: int = 0

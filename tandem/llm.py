@@ -28,7 +28,7 @@ def _unpack(prompt: PromptInput) -> tuple[PromptType, str | None]:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, **engine_options))
 
     def get_tokenizer(self) -> Any:

@@ -49,7 +49,14 @@ extension.register_fake("small_batch_linear", _fake_small_batch)
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and native_bf16())
+
+
+def native_bf16() -> bool:
+    """oneDNN runs bf16 natively here (AVX512-BF16, AMX, or AVX-NE-CONVERT); on plain AVX2 it cannot
+    pack bf16 weights at all, and bf16 matmuls fall back to slow converting loops."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
