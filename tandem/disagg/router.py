@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.disagg import wire
+from tandem.disagg import secure, wire
 from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost
 from tandem.disagg.metrics import DisaggMetrics
 from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector, combined_stats
@@ -39,6 +39,8 @@ from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineReque
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by the peer, so bound them
 
 
 class DisaggEngine(EngineClient):
@@ -59,10 +61,12 @@ class DisaggEngine(EngineClient):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker raises, not drops
+        secure.server(self._sock, settings.secret, settings.bind, wire.MAX_CONTROL_FRAME)
+        self._channel = wire.Channel(settings.secret)
         self._tasks: list[asyncio.Task] = []
         self._abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
         self._background: set[asyncio.Task] = set()
-        self._refused: set[bytes] = set()
+        self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,6 +113,7 @@ class DisaggEngine(EngineClient):
                 await loop.run_in_executor(None, p.wait, 10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        secure.release(self._sock)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -126,7 +131,7 @@ class DisaggEngine(EngineClient):
     # -- messaging ----------------------------------------------------------------------------
     async def _send(self, worker: WorkerHandle, *msg: object) -> bool:
         try:
-            await self._sock.send_multipart([worker.ident, *wire.sign(self.settings.secret, msg)])
+            await self._sock.send_multipart([worker.ident, *self._channel.sign(msg)])
             return True
         except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
             log.warning("cannot reach worker %s: %s", worker.worker_id, e)
@@ -136,10 +141,10 @@ class DisaggEngine(EngineClient):
         while True:
             ident, *frames = await self._sock.recv_multipart()
             try:
-                msg, _ = wire.verify(self.settings.secret, frames)
+                msg, _ = self._channel.verify(frames)
             except wire.AuthError as e:
                 if ident not in self._refused:  # once per peer: an intruder heart-beats 10 times a second
-                    self._refused.add(ident)
+                    self._refused.put(ident, None)
                     log.warning("refusing messages from %r: %s", ident, e)
                 continue
             try:
@@ -155,7 +160,7 @@ class DisaggEngine(EngineClient):
         worker = self.workers.get(ident)
         if worker is None or not worker.alive:
             # A worker we dropped (or a router restart): ask it to introduce itself again.
-            await self._sock.send_multipart([ident, *wire.sign(self.settings.secret, ("hello",))])
+            await self._sock.send_multipart([ident, *self._channel.sign(("hello",))])
             return
         worker.last_seen = time.monotonic()
         if kind == "outputs":
