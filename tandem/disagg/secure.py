@@ -157,7 +157,7 @@ def _admit(sock: zmq.Socket, keys: CurveKeys) -> None:
         # A gate left by a context that was terminated unreleased must not stand in for a live one.
         if gate is None or gate.auth.context is not sock.context or not gate.auth.is_alive():
             auth = _Authenticator(sock.context)
-            auth.start()  # before the bind: without a ZAP handler libzmq admits any CURVE client
+            auth.start()  # before the bind: until a ZAP handler answers, every client is refused
             gate = _gates[sock.context.underlying] = _Gate(auth)
         if keys.domain not in gate.auth.credentials_providers:
             gate.auth.configure_curve_callback(keys.domain, _Allow(keys.client_public))
