@@ -12,6 +12,7 @@ import sys
 import time
 
 from tandem.config import CacheConfig, SchedulerConfig
+from tandem.serve.admission import AdmissionSettings
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +55,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads)
+
+
+def parse_weights(items: list[str]) -> dict[str, float]:
+    weights = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"--tenant-weight takes NAME=WEIGHT, got {item!r}")
+        weights[name] = float(value)
+        if not weights[name] > 0:
+            raise ValueError(f"--tenant-weight {item!r}: the weight must be positive")
+    return weights
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -107,11 +120,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not keys and os.environ.get("TANDEM_API_KEY"):
         keys = [os.environ["TANDEM_API_KEY"]]
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    settings = ServerSettings(args.served_model_name, keys, args.max_waiting_requests, args.request_timeout,
+    admission = AdmissionSettings(args.max_waiting_requests, args.seat_overcommit, args.admission_ttft_budget or None,
+                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
+    settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint,
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_prompt_chars=args.max_prompt_chars,
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              admission=admission, tenant_header=args.tenant_header,
+                              tenant_weights=parse_weights(args.tenant_weight or []),
+                              metrics_require_api_key=args.metrics_require_api_key)
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.router_bind:
@@ -183,8 +201,25 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--api-key", action="append", help="required bearer token on /v1/* (repeatable; "
                      "or TANDEM_API_KEY); each key is its own prefix-cache tenant")
-    srv.add_argument("--max-waiting-requests", type=int, default=512,
+    adm = srv.add_argument_group("admission and fairness (429 with Retry-After for what cannot be served in time)")
+    adm.add_argument("--max-waiting-requests", type=int, default=512,
                      help="requests queued without a first token before new ones get 429")
+    adm.add_argument("--seat-overcommit", type=float, default=AdmissionSettings.seat_overcommit,
+                     help="requests in flight per engine sequence slot (max-num-seqs); above 1 some wait for one, "
+                     "1 keeps TPOT under overload")
+    adm.add_argument("--admission-ttft-budget", type=float, default=0.0, metavar="SECONDS",
+                     help="refuse a request whose queued prompt work ahead would delay its first token longer "
+                     "(at the measured prompt rate): the TTFT SLO to keep under overload; 0: no limit")
+    adm.add_argument("--max-tenant-waiting-requests", type=int, default=None,
+                     help="requests one tenant may have waiting for a first token")
+    adm.add_argument("--max-tenant-queued-tokens", type=int, default=None,
+                     help="prompt tokens one tenant may have waiting")
+    adm.add_argument("--tenant-header", default=None,
+                     help="name tenants by this request header (e.g. X-Tenant) instead of by API key")
+    adm.add_argument("--tenant-weight", action="append", metavar="NAME=WEIGHT",
+                     help="a tenant's share of prompt compute against others (NAME: an API key or header value)")
+    srv.add_argument("--metrics-require-api-key", action="store_true",
+                     help="put /metrics behind the API key too")
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
     srv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
     srv.add_argument("--uvicorn-log-level", default="warning")

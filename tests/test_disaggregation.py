@@ -186,14 +186,26 @@ def _start_streams(url: str, model: str, results: dict[int, tuple[str, float]]) 
     return threads
 
 
+def _wait_health(s: Server, status: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = httpx.get(f"{s.url}/health", timeout=5)
+        assert report.status_code == 200, report.text  # degraded still serves
+        if report.json()["status"] == status or time.monotonic() > deadline:
+            return report.json()
+        time.sleep(0.2)
+
+
 def _still_serving(s: Server, model: str, victim: str) -> None:
-    # New requests are served by the survivor (colocated, since the pair is broken).
+    # New requests are served meanwhile (colocated on the survivor while the pair is broken).
     out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
                                                       "max_tokens": 8, "temperature": 0}, timeout=60)
     assert out.status_code == 200 and out.json()["choices"][0]["text"]
-    assert httpx.get(f"{s.url}/health").status_code == 200
-    assert metric(s, "worker_up", worker=victim) == 0
     assert metric(s, "router_worker_deaths") == 1
+    # The router starts the dead worker again; once it has joined, the deployment is whole.
+    assert _wait_health(s, "ok")["status"] == "ok"
+    assert metric(s, "worker_up", worker=victim) == 1
+    assert metric(s, "router_worker_restarts") == 1
     wait_blocks_free(s)
 
 
@@ -205,6 +217,7 @@ def test_kill_the_decode_worker_mid_stream() -> None:
         time.sleep(4)  # streams are decoding by now
         os.kill(worker_pid(s, "decode-0"), signal.SIGKILL)
         killed = time.monotonic()
+        assert _wait_health(s, "degraded", 10)["reasons"] == ["no live decode worker"]
         for t in threads:
             t.join(90)
         # Every stream lived on the decode worker: each gets an error, within seconds.
@@ -230,6 +243,8 @@ def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str]) 
                     "model": model, "prompt": f"{i} {long}", "max_tokens": 4, "temperature": 0})) for i in range(3)]
                 await asyncio.sleep(1.5)  # prompts of ~700 tokens in 64-token chunks: still prefilling
                 os.kill(worker_pid(s, "prefill-0"), signal.SIGKILL)
+                report = await asyncio.to_thread(_wait_health, s, "degraded", 10)
+                assert report["reasons"] == ["no live prefill worker"]
                 return [(await t).status_code for t in tasks]
 
         assert asyncio.run(prompts_in_flight()) == [200, 200, 200]

@@ -155,7 +155,7 @@ def test_unknown_routes_and_wrong_methods(server: Server) -> None:
 
 def test_health_is_json(server: Server) -> None:
     r = httpx.get(f"{server.url}/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"} and r.headers["x-request-id"]
+    assert r.status_code == 200 and r.json() == {"status": "ok", "reasons": []} and r.headers["x-request-id"]
 
 
 def test_a_request_chat_template_is_refused_by_default(server: Server) -> None:

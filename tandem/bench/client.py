@@ -46,6 +46,8 @@ class RequestRecord:
     start: float = 0.0
     success: bool = False
     error: str = ""
+    status: int = 0  # the HTTP status (0: no response)
+    retry_after: str | None = None  # a refusal's Retry-After header
     ttft: float = 0.0
     latency: float = 0.0  # end to end: last chunk minus send
     output_tokens: int = 0
@@ -114,6 +116,7 @@ async def send_request(http: httpx.AsyncClient, cfg: EndpointConfig, prompt: str
     record.start = sent - origin
     try:
         async with http.stream("POST", cfg.url, json=body, headers=cfg.headers()) as resp:
+            record.status, record.retry_after = resp.status_code, resp.headers.get("retry-after")
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:500]
                 record.error = f"HTTP {resp.status_code}: {detail}"

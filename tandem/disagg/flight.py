@@ -19,6 +19,9 @@ class RouterSettings:
     reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
     prefill_timeout: float = 300.0
     max_attempts: int = 2  # disaggregated tries before running the request colocated
+    # A dead local worker is started again after restart_backoff_s, doubling per quick death, up to the max.
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
 
 
 class WorkerLost(Exception):
@@ -45,5 +48,6 @@ class RouterCounters:
     retries: int = 0
     fallbacks: int = 0
     worker_deaths: int = 0
+    restarts: int = 0
     disaggregated: int = 0
     colocated: int = 0

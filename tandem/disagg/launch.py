@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from tandem.disagg.wire import SECRET_ENV
 
@@ -33,26 +33,40 @@ def assign_cores(num_workers: int, specs: list[str] | None) -> list[list[int]]:
     return [[usable[i % len(usable)]] for i in range(num_workers)]
 
 
+@dataclass
+class LocalLauncher:
+    """Starts this host's workers (the router calls it with its address once it listens) and starts a
+    dead one again, with the same id, role and cores. engine_argv goes to every worker, then
+    role_argv[role] (later flags win: each pool tuned for its phase, e.g. a larger token budget for
+    prefill workers)."""
+
+    roles: dict[str, tuple[str, list[int]]]  # worker id -> (role, cores)
+    engine_argv: list[str]
+    role_argv: dict[str, list[str]]
+    kv_transport: str
+    secret: bytes
+    log_level: str
+
+    def __call__(self, router_address: str) -> list[subprocess.Popen]:
+        return [self.start(worker_id, router_address) for worker_id in self.roles]
+
+    def start(self, worker_id: str, router_address: str) -> subprocess.Popen:
+        role, core_set = self.roles[worker_id]
+        argv = [sys.executable, "-m", "tandem.cli", "--log-level", self.log_level, "worker", "--role", role,
+                "--router", router_address, "--worker-id", worker_id, "--cores", ",".join(map(str, core_set)),
+                "--kv-transport", self.kv_transport, "--parent-pid", str(os.getpid()), *self.engine_argv,
+                *self.role_argv.get(role, [])]
+        return subprocess.Popen(argv, env={**os.environ, SECRET_ENV: self.secret.decode()})
+
+
 def local_launcher(num_prefill: int, num_decode: int, core_specs: list[str] | None, engine_argv: list[str],
                    role_argv: dict[str, list[str]], kv_transport: str, secret: bytes, log_level: str
-                   ) -> Callable[[str], list[subprocess.Popen]]:
-    """engine_argv goes to every worker, then role_argv[role] (later flags win: each pool tuned for
-    its phase, e.g. a larger token budget for prefill workers)."""
+                   ) -> LocalLauncher:
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     cores = assign_cores(len(roles), core_specs)
-
-    def launch(router_address: str) -> list[subprocess.Popen]:
-        env = {**os.environ, SECRET_ENV: secret.decode()}
-        procs = []
-        counts = {"prefill": 0, "decode": 0}
-        for role, core_set in zip(roles, cores, strict=True):
-            worker_id = f"{role}-{counts[role]}"
-            counts[role] += 1
-            argv = [sys.executable, "-m", "tandem.cli", "--log-level", log_level, "worker", "--role", role,
-                    "--router", router_address, "--worker-id", worker_id, "--cores", ",".join(map(str, core_set)),
-                    "--kv-transport", kv_transport, "--parent-pid", str(os.getpid()), *engine_argv,
-                    *role_argv.get(role, [])]
-            procs.append(subprocess.Popen(argv, env=env))
-        return procs
-
-    return launch
+    counts = {"prefill": 0, "decode": 0}
+    workers = {}
+    for role, core_set in zip(roles, cores, strict=True):
+        workers[f"{role}-{counts[role]}"] = (role, core_set)
+        counts[role] += 1
+    return LocalLauncher(workers, engine_argv, role_argv, kv_transport, secret, log_level)

@@ -42,11 +42,12 @@ class DisaggMetrics:
         self.reserve_wait = Histogram("tandem:kv_reserve_wait_seconds", "Time a request waited for a decode "
                                       "worker's blocks.", r, buckets=LATENCY_BUCKETS, registry=registry)
         self.retries = counter("router_retries", "Disaggregated attempts retried after a failure.", r)
-        self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on one worker because the "
-                                 "disaggregated path failed.", r)
+        self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on one worker because no "
+                                 "prefill/decode pair could take them (a failure, or a pool with no live worker).", r)
         self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
+        self.restarts = counter("router_worker_restarts", "Dead local workers started again.", r)
         self._last: dict[tuple, float] = {}
-        for metric in (self.retries, self.fallbacks, self.deaths):
+        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts):
             metric.labels(model_name)  # exported at zero from the start
 
     def _inc(self, counter: Counter, labels: tuple, value: float) -> None:
@@ -82,3 +83,4 @@ class DisaggMetrics:
         self._inc(self.retries, (m,), c.retries)
         self._inc(self.fallbacks, (m,), c.fallbacks)
         self._inc(self.deaths, (m,), c.worker_deaths)
+        self._inc(self.restarts, (m,), c.restarts)

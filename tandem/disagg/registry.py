@@ -21,6 +21,7 @@ class WorkerHandle:
     alive: bool = True
     inflight: set[str] = field(default_factory=set)
     proc: subprocess.Popen | None = None
+    joined: float = field(default_factory=time.monotonic)
 
     @property
     def worker_id(self) -> str:
@@ -48,7 +49,7 @@ def combined_stats(workers: list[WorkerHandle]) -> CoreStats | None:
         sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
         used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
             "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
-        time.monotonic())
+        time.monotonic(), sum(s.prompt_busy_s for s in parts), sum(s.num_computed_prompt_tokens for s in parts))
 
 
 class WorkerSelector(Protocol):

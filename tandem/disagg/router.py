@@ -66,6 +66,8 @@ class DisaggEngine(EngineClient):
         self._tasks: list[asyncio.Task] = []
         self._abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
         self._background: set[asyncio.Task] = set()
+        self._quick_deaths: dict[str, int] = {}  # worker id -> deaths in a row within a minute of joining
+        self._stopping = False
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class DisaggEngine(EngineClient):
             await asyncio.sleep(0.1)
 
     async def shutdown(self) -> None:
+        self._stopping = True
         for rid in list(self.streams):
             self._fail(rid, EngineDeadError("server shutting down"))
         for w in self.workers.values():
@@ -124,6 +127,11 @@ class DisaggEngine(EngineClient):
     @property
     def healthy(self) -> bool:
         return self.dead is None and any(w.alive for w in self.workers.values())
+
+    def capacity(self) -> int:
+        """Sequences the deployment runs at once: its decode workers' (every live worker's without)."""
+        serving = self.live("decode") or self.live()
+        return sum(w.info.core.max_num_seqs for w in serving) or 1
 
     def live(self, role: str | None = None) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
@@ -200,7 +208,7 @@ class DisaggEngine(EngineClient):
                     info.cores)
 
     def _refresh_stats(self) -> None:
-        self.stats = combined_stats(self.live()) or self.stats
+        self._set_stats(combined_stats(self.live()) or self.stats)
 
     async def _deliver_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -343,13 +351,21 @@ class DisaggEngine(EngineClient):
         if not candidates:
             raise EngineDeadError("no live worker to serve the request")
         worker = min(candidates, key=lambda w: (w.load, w.worker_id))
-        self.counters.fallbacks += 1 if self.live("prefill") and self.live("decode") else 0
+        self.counters.fallbacks += 1
         self.counters.colocated += 1
         self._assign(flight, None, worker)
         flight.phase = "colocated"
         # A fresh copy: the request object may have been sent before and must start clean.
         if not await self._send(worker, "add", [replace(flight.request, kv_transfer=None)]):
             raise WorkerLost(f"worker {worker.worker_id} is unreachable")
+
+    def health(self) -> dict[str, Any]:
+        """ok, degraded (a role has no live worker: requests still run, colocated) or unhealthy."""
+        reasons = [f"no live {role} worker" for role in sorted({w.role for w in self.workers.values()})
+                   if not self.live(role)]
+        if not self.healthy:
+            return {"status": "unhealthy", "reasons": reasons or [self.dead or "no live workers"]}
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons}
 
     # -- failure detection --------------------------------------------------------------------
     async def _watch(self) -> None:
@@ -365,6 +381,29 @@ class DisaggEngine(EngineClient):
                     reason = (f"worker {w.worker_id} exited (code {w.proc.poll()})" if exited and w.proc
                               else f"worker {w.worker_id} stopped responding")
                     await self._on_worker_death(w, reason)
+
+    def _restart_later(self, worker: WorkerHandle) -> bool:
+        """Start a dead local worker again after a backoff that doubles while it keeps dying young."""
+        start = getattr(self.launch, "start", None)
+        if worker.proc is None or start is None:
+            return False  # a remote worker: its own host restarts it, and it joins again
+        s = self.settings
+        quick = time.monotonic() - worker.joined < 60.0
+        deaths = self._quick_deaths.get(worker.worker_id, -1) + 1 if quick else 0
+        self._quick_deaths[worker.worker_id] = deaths
+        delay = min(s.restart_backoff_s * 2 ** deaths, s.max_restart_backoff_s)
+        log.warning("starting worker %s again in %.0f s", worker.worker_id, delay)
+
+        async def restart() -> None:
+            await asyncio.sleep(delay)
+            if not self._stopping:
+                self._procs.append(start(worker.worker_id, self.address))
+                self.counters.restarts += 1
+
+        task = asyncio.get_running_loop().create_task(restart())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return True
 
     async def _on_worker_death(self, worker: WorkerHandle, reason: str) -> None:
         log.error("%s; serving on with the rest", reason)
@@ -390,9 +429,11 @@ class DisaggEngine(EngineClient):
         for other in self.live():
             if worker.info.kv_endpoint is not None:
                 await self._send(other, "forget", worker.info.kv_endpoint.address)
+        restarting = self._restart_later(worker)
         if not self.live():
-            self.dead = f"no live workers ({reason})"
+            if not restarting:
+                self.dead = f"no live workers ({reason})"
             for rid in list(self.streams):
-                self._fail(rid, EngineDeadError(self.dead))
+                self._fail(rid, EngineDeadError(f"no live workers ({reason})"))
         with contextlib.suppress(Exception):
             self._refresh_stats()

@@ -69,9 +69,9 @@ class EngineCore:
         self.last_step = StepStats()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # Cumulative step time and tokens computed: what the server's admission control divides.
-        self.busy_s = 0.0
-        self.num_computed_tokens = 0
+        # Time of steps with prompt chunks and their prompt tokens: what admission control divides.
+        self.prompt_busy_s = 0.0
+        self.num_computed_prompt_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
                  config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
                  self.max_model_len)
@@ -112,8 +112,10 @@ class EngineCore:
                 r.finish_time))
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
-        self.busy_s += time.perf_counter() - t0
-        self.num_computed_tokens += sched.total_num_tokens
+        prompt_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+        if prompt_tokens:
+            self.prompt_busy_s += time.perf_counter() - t0
+            self.num_computed_prompt_tokens += prompt_tokens
         return outputs
 
     def _execute_isolating_failures(self, sched: SchedulerOutput, generators: dict[str, torch.Tensor]

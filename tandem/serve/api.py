@@ -20,6 +20,7 @@ import tandem
 from tandem.config import EngineConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.serve.admission import AdmissionSettings, check_admission
 from tandem.serve.async_engine import AsyncEngine, EngineClient
 from tandem.serve.errors import APIError, bad_request, install_error_handlers
 from tandem.serve.metrics import RequestTimer, ServerMetrics
@@ -41,7 +42,6 @@ from tandem.serve.text_worker import TextWorker
 class ServerSettings:
     served_model_name: str | None = None
     api_keys: list[str] = field(default_factory=list)
-    max_waiting_requests: int = 512
     request_timeout: float | None = 600.0
     log_level: str = "WARNING"
     kv_events_endpoint: str | None = None
@@ -49,18 +49,39 @@ class ServerSettings:
     max_prompt_chars: int = 1_000_000  # all prompts or messages of one request, checked before tokenizing
     trust_request_chat_template: bool = False  # render a request's chat_template (in a sandbox process)
     chat_template_timeout: float = 2.0  # seconds a request's template may render before it is killed
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    # Tenants are API keys; or, when named, the value of this header (a gateway's user id).
+    tenant_header: str | None = None
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # API key or header value -> share
+    metrics_require_api_key: bool = False
+
+
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # everything that does work for a caller
+
+
+@dataclass
+class Call:
+    """Who is asking and how: the scheduler's tenant and priority, the deadline, the cache salt."""
+
+    tenant: str | None
+    weight: float
+    priority: int
+    timeout: float | None
+    salt: str | None
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on /v1/*. Pure ASGI (not BaseHTTPMiddleware), so that handlers still see
-    client disconnects. Each key is a tenant: its salt keeps its prefix-cache blocks its own."""
+    """Bearer-token check on the endpoints that do work (and /metrics, if asked). Pure ASGI (not
+    BaseHTTPMiddleware), so that handlers still see client disconnects. Each key is a tenant: its salt
+    keeps its prefix-cache blocks its own and names it to the fair scheduler."""
 
-    def __init__(self, app: Any, key_salts: dict[str, str]) -> None:
+    def __init__(self, app: Any, key_salts: dict[str, str], protect_metrics: bool = False) -> None:
         self.app = app
         self.key_salts = key_salts
+        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
             header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
             key = header[7:] if header.lower().startswith("bearer ") else None
             if key not in self.key_salts:
@@ -79,6 +100,8 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
     state: dict[str, Any] = {}
     key_salts = {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in settings.api_keys}
+    # Weights are given by key or header value; a key's tenant is its salt (the key itself stays here).
+    weights = {key_salts.get(name, name): w for name, w in settings.tenant_weights.items()}
     text: TextWorker | None = None
     if tokenizer is not None:
         sandbox = TemplateSandbox(tokenizer.special_tokens_map, settings.chat_template_timeout,
@@ -105,7 +128,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
 
     # Outermost last: every response, a 401 or a 413 too, carries the request id.
     if settings.api_keys:
-        app.add_middleware(APIKeyMiddleware, key_salts=key_salts)
+        app.add_middleware(APIKeyMiddleware, key_salts=key_salts, protect_metrics=settings.metrics_require_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)
 
@@ -114,13 +137,26 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         if name is not None and name not in (state["model"], config.model.model):
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
-    def check_capacity(n: int) -> None:
-        if engine.num_unstarted() + n > settings.max_waiting_requests:
-            state["metrics"].rejected.labels(state["model"]).inc(n)
-            raise APIError(429, "too many requests are waiting; retry later", "RateLimitError",
-                           headers={"Retry-After": "1"})
+    def admit(call: Call, prompts: list[list[int]], params: SamplingParams) -> None:
         if not engine.healthy:
             raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
+        rejection = check_admission(settings.admission, engine.capacity(), engine.load(call.tenant), len(prompts),
+                                    len(prompts) * params.n, sum(len(p) for p in prompts), engine.prompt_rate.rate,
+                                    call.timeout)
+        if rejection is not None:
+            state["metrics"].rejected.labels(state["model"]).inc(len(prompts))
+            raise APIError(429, rejection.message, "RateLimitError",
+                           headers={"Retry-After": str(rejection.retry_after_s)})
+
+    def call_for(request: Request, body: Any) -> Call:
+        tenant = getattr(request.state, "salt", None)
+        if settings.tenant_header:
+            tenant = request.headers.get(settings.tenant_header, tenant)
+        timeout = settings.request_timeout
+        if body.timeout is not None:
+            timeout = body.timeout if timeout is None else min(timeout, body.timeout)
+        return Call(tenant, weights.get(tenant, 1.0) if tenant is not None else 1.0, body.priority, timeout,
+                    salt_for(request, body.cache_salt))
 
     def salt_for(request: Request, cache_salt: str | None) -> str | None:
         tenant = getattr(request.state, "salt", None)
@@ -154,7 +190,8 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             raise bad_request(str(e), getattr(e, "param", None)) from e
 
     async def tracked(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Feed the latency histograms from what the client actually receives."""
+        """Feed the latency histograms from what the client actually receives; a request that ends
+        without finishing (a disconnect, a timeout, an error) counts as aborted."""
         metrics: ServerMetrics = state["metrics"]
         timer = RequestTimer()
         last: RequestOutput | None = None
@@ -169,12 +206,17 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
                 queue = (last.metrics.first_scheduled_time - last.metrics.arrival_time
                          if last.metrics.first_scheduled_time else None)
                 metrics.observe_finish(timer, last.outputs[0].finish_reason, queue)
+            else:
+                metrics.observe_finish(timer, "abort", None)
 
     def open_streams(prompts: list[list[int]], params: SamplingParams, texts: list[str | None],
-                     salt: str | None) -> list[AsyncIterator[RequestOutput]]:
-        return [tracked(engine.generate(ids, params, text, salt)) for ids, text in zip(prompts, texts, strict=True)]
+                     call: Call) -> list[AsyncIterator[RequestOutput]]:
+        return [tracked(engine.generate(ids, params, text, call.salt, priority=call.priority, tenant=call.tenant,
+                                        tenant_weight=call.weight))
+                for ids, text in zip(prompts, texts, strict=True)]
 
-    async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]],
+                      timeout: float | None) -> list[RequestOutput]:
         """Run every stream to its end; abort all if the client goes away or time runs out."""
         async def drain(s: AsyncIterator[RequestOutput]) -> RequestOutput:
             last = None
@@ -184,7 +226,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             return last
 
         tasks = [asyncio.create_task(drain(s)) for s in streams]
-        deadline = None if settings.request_timeout is None else time.monotonic() + settings.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not all(t.done() for t in tasks):
                 await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.ALL_COMPLETED)
@@ -201,7 +243,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
 
     async def sse(streams: list[AsyncIterator[RequestOutput]], fmt: Formatter, params: SamplingParams,
                   n_prompt_tokens: int, include_usage: bool, echo_texts: list[str] | None,
-                  num_top: int) -> AsyncIterator[str]:
+                  num_top: int, timeout: float | None) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
@@ -214,7 +256,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
                 await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        deadline = None if settings.request_timeout is None else time.monotonic() + settings.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         open_count, completion_tokens = len(tasks), 0
         started: set[int] = set()
         try:
@@ -262,10 +304,13 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        if not engine.healthy:
-            return JSONResponse(error_body(engine.dead or "engine is not running", "ServiceUnavailableError", 503),
-                                503)
-        return JSONResponse({"status": "ok"})
+        """200 while requests can be served: {"status": "ok"} or "degraded" with the reasons (a role
+        with no live worker); 503 with an error body when nothing can be served."""
+        report = engine.health()
+        if report["status"] == "unhealthy":
+            body = error_body("; ".join(report["reasons"]), "ServiceUnavailableError", 503)
+            return JSONResponse(body | report, 503)
+        return JSONResponse(report)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -312,18 +357,19 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         prompts = [await tokenize(p) for p in body.prompts()]
         for ids in prompts:
             validate(ids, params, "prompt")
-        check_capacity(len(prompts))
+        call = call_for(request, body)
+        admit(call, prompts, params)
         fmt = Formatter(tokenizer, state["model"], f"cmpl-{uuid.uuid4().hex}", chat=False)
         echo = [t if t is not None else (await text.decode(ids) if text else "")
                 for t, ids in zip(texts, prompts, strict=True)] if body.echo else None
-        streams = open_streams(prompts, params, texts, salt_for(request, body.cache_salt))
+        streams = open_streams(prompts, params, texts, call)
         n_prompt = sum(len(p) for p in prompts)
         num_top = body.logprobs or 0
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(streams, fmt, params, n_prompt, include, echo, num_top),
+            return StreamingResponse(sse(streams, fmt, params, n_prompt, include, echo, num_top, call.timeout),
                                      media_type="text/event-stream")
-        finals = await collect(request, streams)
+        finals = await collect(request, streams, call.timeout)
         choices = []
         for i, final in enumerate(finals):
             for out in final.outputs:
@@ -345,15 +391,16 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             assert engine.info is not None
             params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
         validate(ids, params, "messages")
-        check_capacity(1)
+        call = call_for(request, body)
+        admit(call, [ids], params)
         fmt = Formatter(tokenizer, state["model"], f"chatcmpl-{uuid.uuid4().hex}", chat=True)
-        streams = open_streams([ids], params, [None], salt_for(request, body.cache_salt))
+        streams = open_streams([ids], params, [None], call)
         num_top = body.top_logprobs or 0
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(streams, fmt, params, len(ids), include, None, num_top),
+            return StreamingResponse(sse(streams, fmt, params, len(ids), include, None, num_top, call.timeout),
                                      media_type="text/event-stream")
-        final = (await collect(request, streams))[0]
+        final = (await collect(request, streams, call.timeout))[0]
         choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
         n_out = sum(len(o.token_ids) for o in final.outputs)
         return JSONResponse(fmt.response(choices, usage(len(ids), n_out)))

@@ -29,6 +29,7 @@ from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.serve.admission import Load, PromptRate
 from tandem.serve.core_proc import CoreInfo, CoreStats, run_engine_core
 from tandem.serve.metrics import ServerMetrics
 
@@ -48,6 +49,9 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_output: bool = False
     consuming: bool = False  # someone iterates; if nobody ever does, the entry goes when it finishes
+    tenant: str | None = None
+    prompt_tokens: int = 0
+    num_seqs: int = 1
 
 
 class EngineClient:
@@ -64,6 +68,7 @@ class EngineClient:
         self.streams: dict[str, _Stream] = {}
         self.dead: str | None = None
         self.listeners: list = []  # callables(RequestOutput) for metrics
+        self.prompt_rate = PromptRate()
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -91,13 +96,40 @@ class EngineClient:
             self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, max_num_batched_tokens,
             enable_chunked_prefill))
 
+    def health(self) -> dict[str, Any]:
+        if self.healthy:
+            return {"status": "ok", "reasons": []}
+        return {"status": "unhealthy", "reasons": [self.dead or "engine is not running"]}
+
+    def capacity(self) -> int:
+        """Sequences the engine runs at once (its max_num_seqs; a cluster's, summed over decode workers)."""
+        return self.info.max_num_seqs if self.info is not None else 1
+
+    def _set_stats(self, stats: CoreStats | None) -> None:
+        self.stats = stats
+        if stats is not None:
+            self.prompt_rate.observe(stats.prompt_busy_s, stats.num_computed_prompt_tokens)
+
     # -- requests -----------------------------------------------------------------------------
-    def num_unstarted(self) -> int:
-        """Requests accepted but without a first output yet: the server's admission queue."""
-        return sum(1 for s in self.streams.values() if not s.first_output)
+    def load(self, tenant: str | None) -> Load:
+        """What admission control weighs a new request against."""
+        in_flight = waiting = queued = tenant_waiting = tenant_queued = 0
+        others: set[str | None] = set()
+        for s in self.streams.values():
+            in_flight += s.num_seqs
+            if not s.first_output:
+                waiting += 1
+                queued += s.prompt_tokens
+                if s.tenant == tenant:
+                    tenant_waiting += 1
+                    tenant_queued += s.prompt_tokens
+                else:
+                    others.add(s.tenant)
+        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
-                 cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
+                 tenant: str | None = None, tenant_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
         the request finishes. Closing it early aborts the request.
 
@@ -108,7 +140,9 @@ class EngineClient:
         assert self.inputs is not None
         rid = request_id or uuid.uuid4().hex
         requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
-        stream = _Stream()
+        for r in requests:
+            r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
+        stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
@@ -244,7 +278,8 @@ class AsyncEngine(EngineClient):
             msg = await self._pull.recv_pyobj()
             kind = msg[0]
             if kind == "outputs":
-                _, core_outputs, self.stats = msg
+                _, core_outputs, stats = msg
+                self._set_stats(stats)
                 if not core_outputs:
                     continue
                 stopped = self._deliver(core_outputs)

@@ -43,6 +43,10 @@ class CoreStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     time: float
+    # Cumulative time of steps that computed prompt tokens, and those tokens: the rate at which
+    # queued prompts drain, decodes sharing the steps included (admission control divides them).
+    prompt_busy_s: float = 0.0
+    num_computed_prompt_tokens: int = 0
 
 
 @dataclass
@@ -52,6 +56,7 @@ class CoreInfo:
     eos_token_id: int | None
     num_blocks: int
     model_name: str
+    max_num_seqs: int = 1
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING",
@@ -93,7 +98,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 def core_info(core, loaded) -> CoreInfo:  # noqa: ANN001 (EngineCore, LoadedModel)
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
-                    core.num_blocks, loaded.name)
+                    core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs)
 
 
 def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
@@ -101,7 +106,7 @@ def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
     usage = core.scheduler.kv.usage()
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
-                     core.num_generation_tokens, time.monotonic())
+                     core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens)
 
 
 def send_failures(outputs: list, send: Callable[[list[str], str], None]) -> list:
