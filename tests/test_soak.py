@@ -100,4 +100,5 @@ def test_soak_leaks_no_blocks_and_memory_stays_flat(tiny_model: Path) -> None:
         assert metric(s.url, "kv_cache_used_blocks") == 0, "KV blocks leaked"
         assert metric(s.url, "num_requests_running") == 0
         after = engine_rss_kib(s.proc.pid)
+        print(f"engine RSS after warm-up {before} KiB, after the soak {after} KiB")
         assert after < before * 1.05, f"engine RSS grew {before} -> {after} KiB"

@@ -48,6 +48,5 @@ class RouterCounters:
     retries: int = 0
     fallbacks: int = 0
     worker_deaths: int = 0
-    restarts: int = 0
     disaggregated: int = 0
     colocated: int = 0

@@ -83,4 +83,4 @@ class DisaggMetrics:
         self._inc(self.retries, (m,), c.retries)
         self._inc(self.fallbacks, (m,), c.fallbacks)
         self._inc(self.deaths, (m,), c.worker_deaths)
-        self._inc(self.restarts, (m,), c.restarts)
+        self._inc(self.restarts, (m,), engine.restarter.count)

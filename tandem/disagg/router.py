@@ -31,6 +31,7 @@ from tandem.disagg import secure, wire
 from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost
 from tandem.disagg.metrics import DisaggMetrics
 from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector, combined_stats
+from tandem.disagg.restarts import Restarter
 from tandem.disagg.transport import TransferHandle
 from tandem.disagg.worker import WorkerInfo
 from tandem.engine.core import EngineCoreOutput
@@ -66,8 +67,8 @@ class DisaggEngine(EngineClient):
         self._tasks: list[asyncio.Task] = []
         self._abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
         self._background: set[asyncio.Task] = set()
-        self._quick_deaths: dict[str, int] = {}  # worker id -> deaths in a row within a minute of joining
-        self._stopping = False
+        self.restarter = Restarter(getattr(launch, "start", None), settings.restart_backoff_s,
+                                   settings.max_restart_backoff_s)
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class DisaggEngine(EngineClient):
             await asyncio.sleep(0.1)
 
     async def shutdown(self) -> None:
-        self._stopping = True
+        self.restarter.stop()
         for rid in list(self.streams):
             self._fail(rid, EngineDeadError("server shutting down"))
         for w in self.workers.values():
@@ -382,29 +383,6 @@ class DisaggEngine(EngineClient):
                               else f"worker {w.worker_id} stopped responding")
                     await self._on_worker_death(w, reason)
 
-    def _restart_later(self, worker: WorkerHandle) -> bool:
-        """Start a dead local worker again after a backoff that doubles while it keeps dying young."""
-        start = getattr(self.launch, "start", None)
-        if worker.proc is None or start is None:
-            return False  # a remote worker: its own host restarts it, and it joins again
-        s = self.settings
-        quick = time.monotonic() - worker.joined < 60.0
-        deaths = self._quick_deaths.get(worker.worker_id, -1) + 1 if quick else 0
-        self._quick_deaths[worker.worker_id] = deaths
-        delay = min(s.restart_backoff_s * 2 ** deaths, s.max_restart_backoff_s)
-        log.warning("starting worker %s again in %.0f s", worker.worker_id, delay)
-
-        async def restart() -> None:
-            await asyncio.sleep(delay)
-            if not self._stopping:
-                self._procs.append(start(worker.worker_id, self.address))
-                self.counters.restarts += 1
-
-        task = asyncio.get_running_loop().create_task(restart())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return True
-
     async def _on_worker_death(self, worker: WorkerHandle, reason: str) -> None:
         log.error("%s; serving on with the rest", reason)
         worker.alive = False
@@ -429,7 +407,7 @@ class DisaggEngine(EngineClient):
         for other in self.live():
             if worker.info.kv_endpoint is not None:
                 await self._send(other, "forget", worker.info.kv_endpoint.address)
-        restarting = self._restart_later(worker)
+        restarting = self.restarter.schedule(worker, self.address, self._procs)
         if not self.live():
             if not restarting:
                 self.dead = f"no live workers ({reason})"

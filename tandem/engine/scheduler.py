@@ -198,14 +198,25 @@ class Scheduler:
 
     def _schedule_prompts(self, step: _Step) -> None:
         """Prompt chunks of running requests and new admissions, shared between tenants: the tenant
-        with the least virtual time goes next, taking at most an equal share of what is left while
-        other tenants have work too."""
+        with the least virtual time goes next. While other tenants have requests here (prompts, or
+        streams decoding), each takes at most its weight's share of the step's prompt budget: a
+        flood's chunks stay small enough that another tenant's next prompt, or next token, never
+        waits behind a long step. A tenant alone takes everything."""
         partial: dict[str | None, deque[Request]] = {}
+        weights: dict[str | None, float] = {}
         for request in self.running:
+            weights[request.tenant] = request.tenant_weight
             if request.request_id not in step.scheduled and self._is_prompt_work(request):
                 partial.setdefault(request.tenant, deque()).append(request)
         active = set(partial) | set(self.waiting.tenants())
+        for tenant in active - set(partial):
+            weights[tenant] = self.waiting.head(tenant).tenant_weight  # type: ignore[union-attr]
         self.waiting.sync_active(active)
+        budget = self.config.max_num_batched_tokens
+        caps = {t: budget for t in weights}
+        if len(weights) > 1 and self.config.enable_chunked_prefill:
+            total = sum(weights.values())
+            caps = {t: max(int(budget * w / total), self.kv.block_size) for t, w in weights.items()}
         admitting = True  # a waiting head that does not fit stops admissions: nobody overtakes it for blocks
         while step.budget > 0 and active:
             tenant = min(active, key=self.waiting.vtime)
@@ -218,10 +229,11 @@ class Scheduler:
                 if request is None or not admitting or len(self.running) >= self.config.max_num_seqs:
                     active.discard(tenant)
                     continue
-            share = step.budget
-            if len(active) > 1 and self.config.enable_chunked_prefill:
-                share = max(step.budget // len(active), self.kv.block_size)
-            num_new = self._schedule_prompt(request, min(share, step.budget), step)
+            if caps[tenant] <= 0:
+                active.discard(tenant)
+                continue
+            num_new = self._schedule_prompt(request, min(caps[tenant], step.budget), step)
+            caps[tenant] -= num_new
             if num_new:
                 self.waiting.charge(tenant, num_new, request.tenant_weight)
             elif request.status != RequestStatus.RUNNING:
