@@ -1,17 +1,18 @@
-"""Overload and tenant flood against one `tandem serve`, in one run.
+"""Overload and a tenant flood against `tandem serve`, with the references, in one run.
 
-  .venv/bin/python bench/hostile_traffic.py [--phase-seconds 25] [--max-num-seqs 8] [--out DIR]
+  .venv/bin/python bench/hostile_traffic.py [--phase-seconds 20] [--max-num-seqs 8] [--out DIR]
 
-Phases, each a closed loop of clients for --phase-seconds on the same server:
-  light     2 clients of short completions: the TTFT a request gets when the server is not busy;
-  overload  10x the engine's seats in clients that resend at once after a 429: admitted requests'
-            TTFT against light load, the share refused, that every 429 carries Retry-After, no 5xx;
-  alone     tenant B's short chats (2 clients);
-  flood     the same chats while tenant A floods long prompts: B's TTFT p99 against alone;
-  capacity  clients = seats of one tenant, then of two tenants, with admission and fairness on, and
-            the same on a server started with both off (--no-guards run): throughput at 1x load.
-The admission settings are the ones an operator keeping a TTFT SLO would use: --seat-overcommit 1
-and --admission-ttft-budget. Writes results.json, summary.md and a plot to --out.
+First a reference server with no admission limits (today's behaviour):
+  light     1 client of short completions: the TTFT of a request on an idle server;
+  capacity  max-num-seqs clients in a closed loop: the requests per second it completes (C);
+  1x load   Poisson arrivals at C, and at 0.7 C (a load it sustains): the throughput admission
+            control and fair scheduling must not cost.
+Then a server configured as an operator keeping a TTFT SLO would (--admission-ttft-budget at
+--ttft-budget-x times the reference's light-load TTFT p99, --seat-overcommit 2), tenants A and B:
+  light, 1x and 0.7x load (A and B at half each), 10x load (arrivals at 10 C, whatever the answers: admitted
+  TTFT against light, 429s with Retry-After, no 5xx), B alone (2 clients of short chats), and B under
+  A's flood (A's long prompts arriving at 10 C): B's TTFT p99 against alone.
+Writes results.json, summary.md and hostile_traffic.png to --out.
 """
 
 from __future__ import annotations
@@ -56,54 +57,90 @@ class Phase:
         for r in self.records:
             statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
         refused = [r for r in self.records if r.status == 429]
+        reasons: dict[str, int] = {}
+        for r in refused:
+            try:
+                reason = json.loads(r.error.split(": ", 1)[1])["error"]["message"].split(";")[0]
+            except (IndexError, KeyError, ValueError):
+                reason = r.error[:60]
+            reasons[reason] = reasons.get(reason, 0) + 1
         out_tokens = sum(r.output_tokens for r in self.admitted())
         return {"requests": len(self.records), "admitted": len(self.admitted()), "statuses": statuses,
-                "refused_without_retry_after": sum(1 for r in refused if not r.retry_after),
+                "refused_without_retry_after": sum(1 for r in refused if not r.retry_after), "refusals": reasons,
                 "server_errors": sum(1 for r in self.records if r.status >= 500),
                 "other_failures": sum(1 for r in self.records if r.status == 200 and not r.success),
                 "ttft_p50_ms": self.ttft(50), "ttft_p99_ms": self.ttft(99),
-                "output_tok_s": out_tokens / self.seconds if self.seconds else 0.0}
+                "output_tok_s": out_tokens / self.seconds if self.seconds else 0.0,
+                "req_s": len(self.admitted()) / self.seconds if self.seconds else 0.0}
 
 
-async def client(http: httpx.AsyncClient, base: str, tenant: str, prompts: list[str], out_len: int, until: float,
-                 phase: Phase, origin: float, resend_s: float) -> None:
-    cfg = EndpointConfig(base, api_key=KEYS[tenant], ignore_eos=True)
+async def endpoint(http: httpx.AsyncClient, base: str, tenant: str) -> EndpointConfig:
+    models = await http.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    return EndpointConfig(base, model=models.json()["data"][0]["id"], api_key=KEYS[tenant], ignore_eos=True)
+
+
+async def send(http: httpx.AsyncClient, cfg: EndpointConfig, tenant: str, prompt: str, out_len: int,
+               phase: Phase, origin: float) -> RequestRecord:
+    record = RequestRecord(len(phase.records), 0, 0, tenant, 0, out_len)
+    phase.records.append(record)
+    return await send_request(http, cfg, prompt, record, origin, lambda t: 1)
+
+
+async def closed_loop(http: httpx.AsyncClient, cfg: EndpointConfig, tenant: str, prompts: list[str], out_len: int,
+                      until: float, phase: Phase, origin: float) -> None:
+    """One client: the next request when the last one is answered (after Retry-After, if refused)."""
     i = 0
     while time.perf_counter() < until:
-        prompt = prompts[i % len(prompts)]
+        record = await send(http, cfg, tenant, prompts[i % len(prompts)], out_len, phase, origin)
         i += 1
-        record = RequestRecord(len(phase.records), 0, 0, tenant, 0, out_len)
-        await send_request(http, cfg, prompt, record, origin, lambda t: 1)
-        phase.records.append(record)
         if record.status == 429:
-            await asyncio.sleep(resend_s)  # a hostile client: it does not wait for Retry-After
+            await asyncio.sleep(min(float(record.retry_after or 1), max(until - time.perf_counter(), 0)))
 
 
-async def run_phase(base: str, name: str, groups: list[tuple[str, int, list[str], int]], seconds: float,
-                    resend_s: float = 0.05) -> Phase:
-    """groups: (tenant, clients, prompts, output tokens)."""
+async def open_loop(http: httpx.AsyncClient, cfg: EndpointConfig, tenant: str, prompts: list[str], out_len: int,
+                    rate: float, until: float, phase: Phase, origin: float) -> None:
+    """Poisson arrivals at rate per second, whatever the server answers: offered load."""
+    rng = np.random.default_rng(len(phase.records) + 1)
+    tasks, i, t = [], 0, time.perf_counter()
+    while True:
+        t += rng.exponential(1 / rate)
+        if t >= until:
+            break
+        await asyncio.sleep(max(t - time.perf_counter(), 0))
+        tasks.append(asyncio.create_task(send(http, cfg, tenant, prompts[i % len(prompts)], out_len, phase, origin)))
+        i += 1
+    await asyncio.gather(*tasks)
+
+
+async def run_phase(base: str, name: str, closed: list[tuple[str, int, list[str], int]],
+                    opened: list[tuple[str, float, list[str], int]], seconds: float) -> Phase:
+    """closed: (tenant, clients, prompts, output tokens); opened: (tenant, requests/s, prompts, output tokens)."""
     phase = Phase(name)
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as http:
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
+        cfgs = {t: await endpoint(http, base, t) for t in KEYS}
         origin = time.perf_counter()
         until = origin + seconds
-        tasks = [client(http, base, tenant, prompts, out_len, until, phase, origin, resend_s)
-                 for tenant, n, prompts, out_len in groups for _ in range(n)]
+        tasks = [closed_loop(http, cfgs[t], t, prompts, out_len, until, phase, origin)
+                 for t, n, prompts, out_len in closed for _ in range(n)]
+        tasks += [open_loop(http, cfgs[t], t, prompts, out_len, rate, until, phase, origin)
+                  for t, rate, prompts, out_len in opened]
         await asyncio.gather(*tasks)
         phase.seconds = time.perf_counter() - origin
     s = phase.summary()
     console.print(f"  {name}: {s['admitted']}/{s['requests']} admitted, TTFT p50 {s['ttft_p50_ms'] or 0:.0f} ms "
-                  f"p99 {s['ttft_p99_ms'] or 0:.0f} ms, {s['output_tok_s']:.1f} out tok/s, statuses {s['statuses']}")
+                  f"p99 {s['ttft_p99_ms'] or 0:.0f} ms, {s['output_tok_s']:.1f} out tok/s, {s['req_s']:.2f} req/s, "
+                  f"statuses {s['statuses']}")
     return phase
 
 
-def start_server(args: argparse.Namespace, guards: bool, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, ttft_budget: float | None, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [tandem_exe(), "serve", "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "1",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--api-key", KEYS["A"], "--api-key", KEYS["B"]]
-    if guards:
-        cmd += ["--seat-overcommit", "1", "--admission-ttft-budget", str(args.ttft_budget)]
+    if ttft_budget is not None:
+        cmd += ["--seat-overcommit", "2", "--admission-ttft-budget", f"{ttft_budget:.3f}"]
     else:
         cmd += ["--seat-overcommit", "1000", "--admission-ttft-budget", "0", "--max-waiting-requests", "100000"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,29 +154,44 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-async def measure(args: argparse.Namespace, base: str, maker: TextMaker) -> dict[str, Phase]:
-    rng = np.random.default_rng(0)
-    short = [maker.text(rng, 128) for _ in range(32)]
-    chats = [maker.text(rng, 64) for _ in range(32)]
-    long = [maker.text(rng, args.flood_prompt_tokens) for _ in range(16)]
-    seats, t = args.max_num_seqs, args.phase_seconds
-    await run_phase(base, "warm-up", [("A", 2, short, 16)], 5)
-    phases = {
-        "light": await run_phase(base, "light", [("A", 2, short, 32)], t),
-        "overload": await run_phase(base, "overload", [("A", 10 * seats, short, 32)], t),
-        "alone": await run_phase(base, "alone", [("B", 2, chats, 16)], t),
-        "flood": await run_phase(base, "flood", [("A", args.flood_clients, long, 8), ("B", 2, chats, 16)], t),
-        "capacity": await run_phase(base, "capacity", [("A", seats // 2, short, 64), ("B", seats // 2, short, 64)],
-                                    t),
-    }
+@dataclass
+class Prompts:
+    short: list[str]
+    chats: list[str]
+    long: list[str]
+
+    @classmethod
+    def make(cls, maker: TextMaker, long_tokens: int) -> Prompts:
+        rng = np.random.default_rng(0)
+        return cls([maker.text(rng, 128) for _ in range(32)], [maker.text(rng, 64) for _ in range(32)],
+                   [maker.text(rng, long_tokens) for _ in range(16)])
+
+
+async def measure_unguarded(args: argparse.Namespace, base: str, p: Prompts) -> dict[str, Phase]:
+    """Today's behaviour (no admission limits, one tenant's view): the references."""
+    t, seats = args.phase_seconds, args.max_num_seqs
+    await run_phase(base, "warm-up", [("A", 2, p.short, 16)], [], 5)
+    phases = {"light": await run_phase(base, "light", [("A", 1, p.short, 32)], [], t),
+              "capacity": await run_phase(base, "capacity", [("A", seats, p.short, 32)], [], t)}
+    rate = phases["capacity"].summary()["req_s"]
+    phases["1x"] = await run_phase(base, "1x load", [], [("A", rate, p.short, 32)], t)
+    phases["sustained"] = await run_phase(base, "0.7x load", [], [("A", 0.7 * rate, p.short, 32)], t)
     return phases
 
 
-async def measure_unguarded(args: argparse.Namespace, base: str, maker: TextMaker) -> Phase:
-    rng = np.random.default_rng(0)
-    short = [maker.text(rng, 128) for _ in range(32)]
-    await run_phase(base, "warm-up", [("A", 2, short, 16)], 5)
-    return await run_phase(base, "capacity (guards off)", [("A", args.max_num_seqs, short, 64)], args.phase_seconds)
+async def measure_guarded(args: argparse.Namespace, base: str, p: Prompts, rate: float) -> dict[str, Phase]:
+    t = args.phase_seconds
+    await run_phase(base, "warm-up", [("A", 2, p.short, 16)], [], 5)
+    return {
+        "light": await run_phase(base, "light", [("A", 1, p.short, 32)], [], t),
+        "1x": await run_phase(base, "1x load", [], [("A", rate / 2, p.short, 32), ("B", rate / 2, p.short, 32)], t),
+        "sustained": await run_phase(base, "0.7x load", [], [("A", 0.35 * rate, p.short, 32),
+                                                             ("B", 0.35 * rate, p.short, 32)], t),
+        "overload": await run_phase(base, "10x load", [], [("A", 10 * rate, p.short, 32)], t),
+        "alone": await run_phase(base, "B alone", [("B", 2, p.chats, 16)], [], t),
+        "flood": await run_phase(base, "B under A's flood", [("B", 2, p.chats, 16)], [("A", 10 * rate, p.long, 8)],
+                                 t),
+    }
 
 
 def plot(phases: dict[str, Phase], path: Path) -> None:
@@ -162,47 +214,56 @@ def plot(phases: dict[str, Phase], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase-seconds", type=float, default=25.0)
+    ap.add_argument("--phase-seconds", type=float, default=20.0)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--ttft-budget", type=float, default=1.0, help="the server's --admission-ttft-budget")
-    ap.add_argument("--flood-clients", type=int, default=6)
+    ap.add_argument("--ttft-budget-x", type=float, default=2.0,
+                    help="the guarded server's --admission-ttft-budget: this many times the light-load TTFT p99")
     ap.add_argument("--flood-prompt-tokens", type=int, default=1500)
     ap.add_argument("--out", type=Path, default=Path("bench/results/hostile_traffic"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    maker = TextMaker(load_tokenizer(None))
-    results: dict = {"settings": {k: str(v) for k, v in vars(args).items()}}
-    console.print("[bold]server with admission control and fair scheduling[/]")
-    proc, base = start_server(args, True, args.out / "server.log")
+    prompts = Prompts.make(TextMaker(load_tokenizer(None)), args.flood_prompt_tokens)
+    console.print("[bold]reference server: no admission limits[/]")
+    proc, base = start_server(args, None, args.out / "server_reference.log")
     try:
-        phases = asyncio.run(measure(args, base, maker))
+        reference = asyncio.run(measure_unguarded(args, base, prompts))
     finally:
         stop_server(proc)
-    console.print("[bold]server with both off (the 1x-load throughput reference)[/]")
-    proc, base = start_server(args, False, args.out / "server_unguarded.log")
+    rate = reference["capacity"].summary()["req_s"]
+    budget = args.ttft_budget_x * (reference["light"].ttft(99) or 1000.0) / 1000
+    console.print(f"[bold]guarded server: --seat-overcommit 2 --admission-ttft-budget {budget:.2f}; "
+                  f"capacity {rate:.2f} req/s[/]")
+    proc, base = start_server(args, budget, args.out / "server_guarded.log")
     try:
-        unguarded = asyncio.run(measure_unguarded(args, base, maker))
+        guarded = asyncio.run(measure_guarded(args, base, prompts, rate))
     finally:
         stop_server(proc)
-    results["phases"] = {name: p.summary() for name, p in phases.items()} | {"capacity_unguarded": unguarded.summary()}
-    b_alone, b_flood = phases["alone"].ttft(99, "B"), phases["flood"].ttft(99, "B")
+    results: dict = {"settings": {k: str(v) for k, v in vars(args).items()} | {"ttft_budget_s": budget,
+                                                                               "capacity_req_s": rate}}
+    results["reference"] = {name: ph.summary() for name, ph in reference.items()}
+    results["guarded"] = {name: ph.summary() for name, ph in guarded.items()}
     results["ratios"] = {
-        "overload_ttft_p50_vs_light": ratio(phases["overload"].ttft(50), phases["light"].ttft(50)),
-        "overload_ttft_p99_vs_light": ratio(phases["overload"].ttft(99), phases["light"].ttft(99)),
-        "flood_b_ttft_p99_vs_alone": ratio(b_flood, b_alone),
-        "capacity_throughput_guarded_vs_off": ratio(phases["capacity"].summary()["output_tok_s"],
-                                                    unguarded.summary()["output_tok_s"]),
-        "server_errors": sum(p.summary()["server_errors"] for p in [*phases.values(), unguarded]),
+        "overload_ttft_p50_vs_light": ratio(guarded["overload"].ttft(50), guarded["light"].ttft(50)),
+        "overload_ttft_p99_vs_light": ratio(guarded["overload"].ttft(99), guarded["light"].ttft(99)),
+        "flood_b_ttft_p99_vs_alone": ratio(guarded["flood"].ttft(99, "B"), guarded["alone"].ttft(99, "B")),
+        "throughput_1x_guarded_vs_reference": ratio(guarded["1x"].summary()["output_tok_s"],
+                                                    reference["1x"].summary()["output_tok_s"]),
+        "throughput_0.7x_guarded_vs_reference": ratio(guarded["sustained"].summary()["output_tok_s"],
+                                                      reference["sustained"].summary()["output_tok_s"]),
+        "server_errors": sum(ph.summary()["server_errors"] for ph in [*reference.values(), *guarded.values()]),
+        "refusals_without_retry_after": sum(ph.summary()["refused_without_retry_after"] for ph in guarded.values()),
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(phases, args.out / "hostile_traffic.png")
-    lines = ["| measure | value | goal |", "|---|---:|---|"]
+    plot(guarded, args.out / "hostile_traffic.png")
     goals = {"overload_ttft_p50_vs_light": "<= 3", "overload_ttft_p99_vs_light": "<= 3",
-             "flood_b_ttft_p99_vs_alone": "<= 3", "capacity_throughput_guarded_vs_off": ">= 0.97", "server_errors": "0"}
+             "flood_b_ttft_p99_vs_alone": "<= 3", "throughput_1x_guarded_vs_reference": ">= 0.97",
+             "throughput_0.7x_guarded_vs_reference": ">= 0.97",
+             "server_errors": "0", "refusals_without_retry_after": "0"}
+    lines = ["| measure | value | goal |", "|---|---:|---|"]
     for key, value in results["ratios"].items():
-        lines.append(f"| {key} | {value:.2f} | {goals[key]} |" if isinstance(value, float)
-                     else f"| {key} | {value} | {goals[key]} |")
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"| {key} | {shown} | {goals[key]} |")
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines))
     return 0

@@ -123,10 +123,19 @@ def test_admission_rules() -> None:
     queued = load(in_flight=2, waiting=2, queued_tokens=3000, tenant_queued_tokens=3000)
     slow = check_admission(AdmissionSettings(ttft_budget_s=1.0), 64, queued, 1, 1, 100, 1000.0, None)
     assert slow is not None and "budget" in slow.message and slow.retry_after_s == 3
+    queued = load(in_flight=2, waiting=1, queued_tokens=900, tenant_queued_tokens=900)
+    assert check_admission(AdmissionSettings(ttft_budget_s=1.0), 64, queued, 1, 1, 5000, 1000.0, None) is None, \
+        "its own prompt is its service time, not a wait"
     flood = load(in_flight=6, waiting=5, queued_tokens=5000, tenant_queued_tokens=4900, other_tenants_waiting=1)
     assert check_admission(settings, 64, flood, 1, 1, 50, 1000.0, None) is not None, "the flooder waits behind itself"
     chat = load(in_flight=6, waiting=5, queued_tokens=5000, tenant_queued_tokens=0, other_tenants_waiting=1)
     assert check_admission(settings, 64, chat, 1, 1, 50, 1000.0, None) is None, "another tenant gets its share"
+    budget = AdmissionSettings(seat_overcommit=2.0, ttft_budget_s=1.0)
+    soon = load(in_flight=8, seat_free_s=[0.3, 0.5, 4.0] + [9.0] * 5)
+    assert check_admission(budget, 8, soon, 1, 1, 10, 1000.0, None) is None, "a seat frees up in time"
+    assert check_admission(budget, 8, load(in_flight=9, seat_free_s=soon.seat_free_s), 1, 1, 10, 1000.0, None) is None
+    late = check_admission(budget, 8, load(in_flight=10, seat_free_s=soon.seat_free_s), 1, 1, 10, 1000.0, None)
+    assert late is not None and "frees up" in late.message and late.retry_after_s == 4
     tenant = check_admission(settings, 64, load(in_flight=3, waiting=3, tenant_waiting=3), 1, 1, 10, 1e6, None)
     assert tenant is not None and "your requests" in tenant.message
     deadline = check_admission(AdmissionSettings(ttft_budget_s=None), 64,

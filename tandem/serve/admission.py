@@ -4,8 +4,9 @@ A request the server accepts should start soon and stream steadily; one it canno
 better refused at once (429 with Retry-After) than queued until it times out. The rules look at what
 the engine can actually do:
   - seats: requests in flight (accepted and unfinished, each of n samples counted) against the
-    engine's max_num_seqs, so that everything admitted runs at once instead of waiting for a seat
-    behind other requests' whole outputs (which keeps TPOT too: a batch never grows past it);
+    engine's max_num_seqs times seat_overcommit; with a TTFT budget, a request that would wait for a
+    seat is admitted only if one frees up in time (each stream's tokens left times the measured
+    time between tokens), so nothing admitted waits behind other requests' whole outputs;
   - queued prompt tokens against a TTFT budget: prompt tokens accepted but not yet started, over the
     engine's measured prompt throughput, is how long a new request waits for its first token. The
     scheduler shares that throughput between tenants, so a request waits behind its own tenant's
@@ -17,7 +18,7 @@ the engine can actually do:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Load:
     tenant_waiting: int
     tenant_queued_tokens: int
     other_tenants_waiting: int = 0  # tenants other than the caller's with requests waiting
+    # When each sequence in flight will likely free its seat, soonest first (tokens left x token gap).
+    seat_free_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -70,14 +73,24 @@ class PromptRate:
 def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_requests: int, num_seqs: int,
                     prompt_tokens: int, tokens_per_s: float, timeout_s: float | None) -> Rejection | None:
     """None to admit, or why not and when to retry. A call may hold several prompts (num_requests),
-    each sampled n times (num_seqs in all); prompt_tokens counts every prompt of the call."""
-    share = (load.tenant_queued_tokens + prompt_tokens) * (1 + load.other_tenants_waiting)
-    wait_s = min(load.queued_tokens + prompt_tokens, share) / max(tokens_per_s, 1.0)
+    each sampled n times (num_seqs in all); prompt_tokens counts every prompt of the call (0 before
+    they are tokenized: the server checks once before tokenizing, so a refusal costs next to nothing,
+    and once after)."""
+    # The wait before its first chunk: the prompt work ahead of it (its own prompt is its service time).
+    ahead = min(load.queued_tokens, load.tenant_queued_tokens * (1 + load.other_tenants_waiting))
+    wait_s = ahead / max(tokens_per_s, 1.0)
     retry = max(1, math.ceil(load.queued_tokens / max(tokens_per_s, 1.0)))
     if load.waiting + num_requests > settings.max_waiting_requests:
         return Rejection("too many requests are waiting; retry later", retry)
+    over = load.in_flight + num_seqs - seats  # sequences that would wait for a seat
     if load.in_flight and load.in_flight + num_seqs > seats * settings.seat_overcommit:
         return Rejection(f"the engine is serving at capacity ({seats} concurrent sequences); retry later", retry)
+    if load.in_flight and over > 0 and settings.ttft_budget_s is not None:
+        # With a TTFT budget, waiting for a seat is fine if one frees up in time.
+        seat_wait = load.seat_free_s[over - 1] if over <= len(load.seat_free_s) else math.inf
+        if seat_wait + wait_s > settings.ttft_budget_s:
+            return Rejection(f"no sequence slot frees up within the TTFT budget ({settings.ttft_budget_s:.1f} s; "
+                             f"{seats} concurrent sequences); retry later", max(retry, math.ceil(seat_wait)))
     if settings.max_tenant_waiting_requests is not None and \
             load.tenant_waiting + num_requests > settings.max_tenant_waiting_requests:
         return Rejection("too many of your requests are waiting; retry later", retry)

@@ -137,14 +137,13 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         if name is not None and name not in (state["model"], config.model.model):
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
-    def admit(call: Call, prompts: list[list[int]], params: SamplingParams) -> None:
+    def admit(call: Call, num_prompts: int, params: SamplingParams, prompt_tokens: int = 0) -> None:
         if not engine.healthy:
             raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
-        rejection = check_admission(settings.admission, engine.capacity(), engine.load(call.tenant), len(prompts),
-                                    len(prompts) * params.n, sum(len(p) for p in prompts), engine.prompt_rate.rate,
-                                    call.timeout)
+        rejection = check_admission(settings.admission, engine.capacity(), engine.load(call.tenant), num_prompts,
+                                    num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout)
         if rejection is not None:
-            state["metrics"].rejected.labels(state["model"]).inc(len(prompts))
+            state["metrics"].rejected.labels(state["model"]).inc(num_prompts)
             raise APIError(429, rejection.message, "RateLimitError",
                            headers={"Retry-After": str(rejection.retry_after_s)})
 
@@ -351,14 +350,15 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = make_params(body, body.max_tokens, body.logprobs)
+        call = call_for(request, body)
+        admit(call, len(body.prompts()), params)  # before any tokenizing: a refusal costs next to nothing
         texts = [p if isinstance(p, str) else None for p in body.prompts()]
         if any(texts):
             need_text().check_chars([t for t in texts if t], "prompt")  # the batch's, before any is tokenized
         prompts = [await tokenize(p) for p in body.prompts()]
         for ids in prompts:
             validate(ids, params, "prompt")
-        call = call_for(request, body)
-        admit(call, prompts, params)
+        admit(call, len(prompts), params, sum(len(p) for p in prompts))
         fmt = Formatter(tokenizer, state["model"], f"cmpl-{uuid.uuid4().hex}", chat=False)
         echo = [t if t is not None else (await text.decode(ids) if text else "")
                 for t, ids in zip(texts, prompts, strict=True)] if body.echo else None
@@ -385,14 +385,15 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             raise bad_request("this model has no tokenizer, so it has no chat template")
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.logprobs_count())
+        call = call_for(request, body)
+        admit(call, 1, params)
         ids = await text.chat_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
                                   body.chat_template)
         if params.max_tokens is None:
             assert engine.info is not None
             params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
         validate(ids, params, "messages")
-        call = call_for(request, body)
-        admit(call, [ids], params)
+        admit(call, 1, params, len(ids))
         fmt = Formatter(tokenizer, state["model"], f"chatcmpl-{uuid.uuid4().hex}", chat=True)
         streams = open_streams([ids], params, [None], call)
         num_top = body.top_logprobs or 0

@@ -52,6 +52,8 @@ class _Stream:
     tenant: str | None = None
     prompt_tokens: int = 0
     num_seqs: int = 1
+    tokens_left: int = 0  # of its longest sample, at most: when its seat frees up
+    last_output: float = 0.0
 
 
 class EngineClient:
@@ -69,6 +71,7 @@ class EngineClient:
         self.dead: str | None = None
         self.listeners: list = []  # callables(RequestOutput) for metrics
         self.prompt_rate = PromptRate()
+        self.token_gap_s = 0.05  # smoothed time between a stream's outputs: how fast seats free up
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -115,8 +118,10 @@ class EngineClient:
         """What admission control weighs a new request against."""
         in_flight = waiting = queued = tenant_waiting = tenant_queued = 0
         others: set[str | None] = set()
+        frees: list[float] = []
         for s in self.streams.values():
             in_flight += s.num_seqs
+            frees += [s.tokens_left * self.token_gap_s] * s.num_seqs
             if not s.first_output:
                 waiting += 1
                 queued += s.prompt_tokens
@@ -125,7 +130,7 @@ class EngineClient:
                     tenant_queued += s.prompt_tokens
                 else:
                     others.add(s.tenant)
-        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others))
+        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
@@ -142,7 +147,9 @@ class EngineClient:
         requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
         for r in requests:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
-        stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests))
+        limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
+        stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests),
+                         tokens_left=min(params.max_tokens or limit, limit))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
@@ -187,11 +194,17 @@ class EngineClient:
         """Detokenize and hand outputs to their streams; returns the child ids a stop string ended,
         which the caller aborts in the engine."""
         results, stopped = self.outputs.process(core_outputs)
+        now = time.monotonic()
         for out in results:
             for listener in self.listeners:
                 listener(out)
             stream = self.streams.get(out.request_id)
             if stream is not None:
+                new = max((len(d[1]) for d in out.deltas), default=0)
+                if stream.first_output and new:
+                    self.token_gap_s += 0.05 * ((now - stream.last_output) / new - self.token_gap_s)
+                stream.tokens_left = max(stream.tokens_left - new, 0)
+                stream.last_output = now
                 stream.first_output = True
                 stream.queue.put_nowait(out)
                 if out.finished and not stream.consuming:

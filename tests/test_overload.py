@@ -1,0 +1,46 @@
+"""Overload over a real server: a burst far past capacity gets 429s with Retry-After early, never a
+5xx or a hang, and everything admitted finishes. (The latency ratios are bench/hostile_traffic.py's.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from server_utils import running_server
+
+KEYS = ("key-a", "key-b")
+
+
+async def burst(url: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as c:
+        async def one(i: int) -> httpx.Response:
+            return await c.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS[i % 2]}"},
+                                json={"prompt": f"{i} Tell me about the sea and the ships on it.", "max_tokens": 16,
+                                      "temperature": 0, "ignore_eos": True})
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+@pytest.mark.slow
+def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
+    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
+                        "--seat-overcommit", "1.5", "--admission-ttft-budget", "2", "--api-key", KEYS[0],
+                        "--api-key", KEYS[1]) as s:
+        responses = asyncio.run(burst(s.url, 60))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, codes
+        refused = [r for r in responses if r.status_code == 429]
+        assert len(refused) >= 60 - 6, "at most 4 x 1.5 seats are in flight at once"
+        for r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "RateLimitError"
+        for r in responses:
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+        # Once the burst is over, the server serves as before.
+        again = asyncio.run(burst(s.url, 2))
+        assert [r.status_code for r in again] == [200, 200]
+        rejected = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+                    if line.startswith("tandem:request_rejected_total{")]
+        assert float(rejected[0].rsplit(" ", 1)[1]) >= len(refused)
