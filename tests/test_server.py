@@ -178,12 +178,18 @@ def test_bad_chat_requests(server: Server, client: openai.OpenAI, body, status) 
 
 def test_api_key_and_admission_control() -> None:
     with running_server(*SERVER_ARGS, "--api-key", "sekrit", "--max-num-seqs", "1",
-                        "--max-waiting-requests", "1") as s:
+                        "--max-waiting-requests", "1", "--metrics-require-api-key") as s:
         bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         assert httpx.get(f"{s.url}/v1/models").status_code == 401
-        assert httpx.get(f"{s.url}/health").status_code == 200  # only /v1 is guarded
+        assert httpx.get(f"{s.url}/health").status_code == 200  # only what does work is guarded
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            assert httpx.post(f"{s.url}{path}", json=body).status_code == 401
+            assert httpx.post(f"{s.url}{path}", json=body, headers={"authorization": "Bearer sekrit"}).status_code \
+                == 200
+        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        assert httpx.get(f"{s.url}/metrics", headers={"authorization": "Bearer sekrit"}).status_code == 200
         good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0)
         model = good.models.list().data[0].id
         assert good.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
@@ -209,6 +215,9 @@ def test_request_timeout_and_sigterm() -> None:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Go", "max_tokens": 4000, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 408 and r.json()["error"]["type"] == "TimeoutError"
+        aborted = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+                   if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line]
+        assert aborted and float(aborted[0].rsplit(" ", 1)[1]) == 1  # a timed-out request counts as aborted
         deadline = time.monotonic() + 10
         while s.metric("kv_cache_used_blocks") and time.monotonic() < deadline:
             time.sleep(0.2)

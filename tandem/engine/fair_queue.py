@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
 
 from tandem.engine.request import Request
 
 
 def order_key(request: Request) -> tuple[int, float]:
+    """Queue order, vLLM's: lower priority values first, then earlier arrivals. Preemption takes the
+    largest first."""
     return request.priority, request.arrival_time
 
 
@@ -31,14 +32,6 @@ class FairQueue:
 
     def __len__(self) -> int:
         return self._len
-
-    def __bool__(self) -> bool:
-        return self._len > 0
-
-    def __iter__(self) -> Iterator[Request]:
-        for queue in self._queues.values():
-            for *_, request in sorted(queue):
-                yield request
 
     def push(self, request: Request) -> None:
         """Queue a request (new, or preempted: it keeps its arrival, so it goes back near the front)."""

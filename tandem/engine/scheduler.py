@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import CacheConfig, SchedulerConfig
-from tandem.engine.fair_queue import FairQueue
+from tandem.engine.fair_queue import FairQueue, order_key
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.manager import KVCacheManager
 
@@ -56,11 +56,6 @@ class _Step:
 
     def remove(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)
-
-
-def preemption_order(request: Request) -> tuple[int, float]:
-    """The largest is preempted first: the lowest priority (highest value), then the newest."""
-    return request.priority, request.arrival_time
 
 
 @dataclass
@@ -273,7 +268,7 @@ class Scheduler:
         """Slots for a running request, preempting the least important running request (lowest
         priority, newest) while the pool is dry; False if that was the request itself."""
         while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.config.num_lookahead_tokens) is None:
-            victim = max(self.running, key=preemption_order)
+            victim = max(self.running, key=order_key)
             self.running.remove(victim)
             step.remove(victim)
             self._preempt(victim)

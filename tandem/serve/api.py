@@ -24,7 +24,7 @@ from tandem.serve.admission import AdmissionSettings, check_admission
 from tandem.serve.async_engine import AsyncEngine, EngineClient
 from tandem.serve.errors import APIError, bad_request, install_error_handlers
 from tandem.serve.metrics import RequestTimer, ServerMetrics
-from tandem.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from tandem.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tandem.serve.openai_format import Formatter, usage
 from tandem.serve.protocol import (
     ERROR_RESPONSES,
@@ -56,9 +56,6 @@ class ServerSettings:
     metrics_require_api_key: bool = False
 
 
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # everything that does work for a caller
-
-
 @dataclass
 class Call:
     """Who is asking and how: the scheduler's tenant and priority, the deadline, the cache salt."""
@@ -68,28 +65,6 @@ class Call:
     priority: int
     timeout: float | None
     salt: str | None
-
-
-class APIKeyMiddleware:
-    """Bearer-token check on the endpoints that do work (and /metrics, if asked). Pure ASGI (not
-    BaseHTTPMiddleware), so that handlers still see client disconnects. Each key is a tenant: its salt
-    keeps its prefix-cache blocks its own and names it to the fair scheduler."""
-
-    def __init__(self, app: Any, key_salts: dict[str, str], protect_metrics: bool = False) -> None:
-        self.app = app
-        self.key_salts = key_salts
-        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
-            key = header[7:] if header.lower().startswith("bearer ") else None
-            if key not in self.key_salts:
-                response = JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401), 401)
-                await response(scope, receive, send)
-                return
-            scope.setdefault("state", {})["salt"] = self.key_salts[key]
-        await self.app(scope, receive, send)
 
 
 def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None,

@@ -1,5 +1,6 @@
 """Pure-ASGI layers around the API (not BaseHTTPMiddleware, so that handlers still see client
-disconnects): a request id on every request and response, the last-resort 500, the body limit."""
+disconnects): a request id on every request and response, the last-resort 500, the body limit, the
+API key."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # everything that does work for a caller
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on the endpoints that do work (and /metrics, if asked). Pure ASGI (not
+    BaseHTTPMiddleware), so that handlers still see client disconnects. Each key is a tenant: its salt
+    keeps its prefix-cache blocks its own and names it to the fair scheduler."""
+
+    def __init__(self, app: Any, key_salts: dict[str, str], protect_metrics: bool = False) -> None:
+        self.app = app
+        self.key_salts = key_salts
+        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if protect_metrics else ())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+            key = header[7:] if header.lower().startswith("bearer ") else None
+            if key not in self.key_salts:
+                response = error_response(request_id(scope), 401, "invalid or missing API key", "AuthenticationError")
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["salt"] = self.key_salts[key]
+        await self.app(scope, receive, send)
