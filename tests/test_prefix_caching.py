@@ -3,6 +3,10 @@ preemption forced), real hits on shared prefixes, tenant isolation through the s
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+
 import pytest
 
 from tandem import SamplingParams
@@ -58,3 +62,15 @@ def test_shared_prefix_hits_and_salts(llm_fp32, passages) -> None:  # noqa: ANN0
     fresh = llm_fp32.generate([{"prompt_token_ids": prefix + [200], "cache_salt": "tenant-c"}], GREEDY)
     assert fresh[0].num_cached_tokens == 0
     assert fresh[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("algo", ["builtin", "sha256"])
+def test_block_hashes_are_equal_in_another_process(algo: str) -> None:
+    """A router or another worker must compute the same keys (Python 3.11's hash(None) does not)."""
+    code = ("from tandem.kv.hashing import HASH_FUNCTIONS, extend_block_hashes, salt_key\n"
+            "h = []\n"
+            f"extend_block_hashes(h, list(range(64)), 16, HASH_FUNCTIONS[{algo!r}], salt_key('tenant'))\n"
+            "print(h)")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(ast.literal_eval(runs[0])) == 4

@@ -14,10 +14,14 @@ import numpy as np
 HashFn = Callable[[int | None, Sequence[int], tuple], int]
 
 
+ROOT = 0x5EED  # the first block's parent: hash(None) is an address on Python 3.11, different per process
+
+
 def builtin_hash(parent: int | None, tokens: Sequence[int], extra: tuple) -> int:
     # Tuples of ints hash deterministically across processes (no PYTHONHASHSEED), which the
-    # KV-aware router needs; string salts are turned into ints by salt_key() first.
-    return hash((parent, tuple(tokens), extra))
+    # KV-aware router needs; string salts are turned into ints by salt_key() first, and the root's
+    # missing parent into ROOT.
+    return hash((ROOT if parent is None else parent, tuple(tokens), extra))
 
 
 def sha256_hash(parent: int | None, tokens: Sequence[int], extra: tuple) -> int:
