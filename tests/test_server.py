@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -243,3 +247,34 @@ def test_prefix_cache_metrics_and_kv_events(server: Server, client: openai.OpenA
     kind, _, events = sub.recv_pyobj()
     assert kind == "kv_events" and any(type(e).__name__ == "BlockStored" for e in events)
     sub.close(linger=0)
+
+
+def test_a_killed_engine_core_is_started_again() -> None:
+    """kill -9 of the engine process: 503s and an unhealthy /health meanwhile, never a hang; a request
+    waiting for its first token is sent again to the new core and succeeds."""
+    with running_server(*SERVER_ARGS) as s:
+        core = next(int(pid) for pid in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
+                                                       text=True).stdout.split()
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        waiting: dict[str, httpx.Response] = {}
+        # A prompt of 1,500 tokens in 256-token steps: still prefilling, no output yet, when the core dies.
+        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+            f"{s.url}/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 3, "ignore_eos": True},
+            timeout=240)))
+        thread.start()
+        time.sleep(0.5)
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{s.url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        deadline = time.monotonic() + 180
+        while httpx.get(f"{s.url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        thread.join(240)
+        assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 3

@@ -54,6 +54,7 @@ class _Stream:
     num_seqs: int = 1
     tokens_left: int = 0  # of its longest sample, at most: when its seat frees up
     last_output: float = 0.0
+    requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
 
 
 class EngineClient:
@@ -149,7 +150,7 @@ class EngineClient:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
         stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests),
-                         tokens_left=min(params.max_tokens or limit, limit))
+                         tokens_left=min(params.max_tokens or limit, limit), requests=requests)
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
@@ -225,20 +226,27 @@ class AsyncEngine(EngineClient):
         self._ctx = zmq.asyncio.Context()
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
+        self._addresses = ("", "")
+        self._started_at = 0.0
+        self.restarts = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(self.config, *self._addresses, self.log_level, self.kv_events_endpoint),
+            daemon=True, name="tandem-engine-core")
+        self._proc.start()
+        self._started_at = time.monotonic()
+
     async def start(self) -> None:
         base = Path(self._tmp.name)
-        in_addr, out_addr = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
+        self._addresses = in_addr, out_addr = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr, self.log_level, self.kv_events_endpoint),
-            daemon=True,
-            name="tandem-engine-core")
-        self._proc.start()
+        self._spawn()
+        assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if await self._pull.poll(500):
@@ -301,13 +309,31 @@ class AsyncEngine(EngineClient):
             elif kind == "failed":
                 _, child_ids, message = msg
                 self._fail_children(child_ids, EngineRequestError(message))
+            elif kind == "ready":  # a restarted core: what had not started yet is sent again
+                self.info, self.dead = msg[1], None
+                waiting = [s for s in self.streams.values() if not s.first_output]
+                log.warning("engine core is back; sending %d waiting requests again", len(waiting))
+                for stream in waiting:
+                    self._push.send_pyobj(("add", stream.requests))
+            elif kind == "startup_failed":
+                log.error("engine core failed to start again: %s", msg[1])
 
     async def _watch_process(self) -> None:
+        """A core that dies is started again, after 1 s, doubling up to 30 s while it dies young.
+        Requests that streamed something fail (their state died with it); the others wait and are
+        sent again once it is back. Meanwhile the server answers 503 and /health is unhealthy."""
+        quick_deaths = 0
         while True:
             await asyncio.sleep(0.5)
-            if self._proc is not None and not self._proc.is_alive():
-                self.dead = f"engine core died (exit code {self._proc.exitcode})"
-                log.error(self.dead)
-                for rid in list(self.streams):
+            if self._proc is None or self._proc.is_alive():
+                continue
+            self.dead = f"engine core died (exit code {self._proc.exitcode})"
+            for rid, stream in list(self.streams.items()):
+                if stream.first_output:
                     self._fail(rid, EngineDeadError(self.dead))
-                return
+            quick_deaths = quick_deaths + 1 if time.monotonic() - self._started_at < 60 else 0
+            delay = min(2.0 ** quick_deaths / 2, 30.0)
+            log.error("%s; starting it again in %.0f s", self.dead, delay)
+            await asyncio.sleep(delay)
+            self._spawn()
+            self.restarts += 1
