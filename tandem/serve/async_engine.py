@@ -228,7 +228,6 @@ class AsyncEngine(EngineClient):
         self._watchdog: asyncio.Task | None = None
         self._addresses = ("", "")
         self._started_at = 0.0
-        self.restarts = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -336,4 +335,3 @@ class AsyncEngine(EngineClient):
             log.error("%s; starting it again in %.0f s", self.dead, delay)
             await asyncio.sleep(delay)
             self._spawn()
-            self.restarts += 1
