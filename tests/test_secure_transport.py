@@ -4,10 +4,8 @@ the deployment's secret), replay-proof and bounded: over real sockets on 127.0.0
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import pickle
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import zmq
+from wiretap import Proxy
 
 from tandem.disagg import router as router_module
 from tandem.disagg import secure, wire
@@ -32,59 +31,6 @@ SHAPE = (2, 2, 8, 4, 2, 8)  # layers, K/V, blocks, block size, kv heads, head di
 PATTERN = b"KV-PLAINTEXT-PATTERN!"
 TOKEN_IDS = [1234567, 7654321, 2345678, 8765432, 3456789]
 RID = "req-with-a-recognisable-id"
-
-
-class Proxy:
-    """A TCP forwarder on 127.0.0.1 that records every byte each way: what a wiretap would see."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        self.upstream = bytearray()  # client -> server
-        self.downstream = bytearray()
-        self.closed_upstream: list[int] = []  # bytes forwarded client -> server, per finished connection
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-                server = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                return
-            self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, self.upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.downstream, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray, up: bool) -> None:
-        forwarded = 0
-        try:
-            while data := src.recv(1 << 16):
-                with self._lock:
-                    record += data
-                dst.sendall(data)
-                forwarded += len(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-            if up:
-                self.closed_upstream.append(forwarded)
-
-    def captured(self) -> bytes:
-        with self._lock:
-            return bytes(self.upstream + self.downstream)
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self._socks:
-            s.close()
 
 
 def wait_for(condition, timeout: float = 10.0) -> bool:  # noqa: ANN001
