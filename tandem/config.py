@@ -54,8 +54,10 @@ class CacheConfig:
     # Commit the pool's memory at start-up so that no step pays for first-touch page faults (CPU).
     prefault_kv_cache: bool = True
     enable_prefix_caching: bool = True
-    # "builtin" is Python's hash over a tuple (fast, per-process salted); "sha256" resists collisions.
-    prefix_caching_hash_algo: str = "builtin"
+    # "sha256": the same key on every process, host and Python version (the KV store and a KV-aware
+    # router match keys across them); "builtin" (Python's tuple hash) is faster, equal across processes
+    # of one Python build only.
+    prefix_caching_hash_algo: str = "sha256"
     # Record block stored/removed events for a KV-aware router (the server publishes them on ZeroMQ).
     enable_kv_events: bool = False
 

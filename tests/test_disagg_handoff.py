@@ -16,9 +16,11 @@ import torch
 from test_tiny_models import build
 
 from tandem.config import EngineConfig
-from tandem.disagg.connector import LayerwiseKVSend
+from tandem.disagg.connector import KVRecvConnector, KVSendConnector
+from tandem.disagg.router import prefill_request
 from tandem.disagg.transport import KVReceiver, RoutingSender, TransferHandle, make_receiver
 from tandem.engine.core import EngineCore
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
 from tandem.model.loader import load_model
 from tandem.sampling_params import SamplingParams
@@ -27,10 +29,18 @@ BLOCK = 4
 VOCAB = 96
 
 
-def engine(path: Path, budget: int, allocator=None) -> EngineCore:  # noqa: ANN001
+def engine(path: Path, budget: int, allocator=None, connector: KVConnector | None = None) -> EngineCore:  # noqa: ANN001
     config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=96, block_size=BLOCK,
                                       max_num_batched_tokens=budget, num_threads=1)
-    return EngineCore(config, load_model(str(path), torch.float32).model, allocator)
+    return EngineCore(config, load_model(str(path), torch.float32).model, allocator, connector)
+
+
+def prefill_engine(path: Path, budget: int) -> EngineCore:
+    return engine(path, budget, connector=KVSendConnector(RoutingSender(b"k"), BLOCK))
+
+
+def decode_engine(path: Path, budget: int, receiver: KVReceiver) -> EngineCore:
+    return engine(path, budget, receiver.allocate_pool, KVRecvConnector(receiver, BLOCK))
 
 
 def run_colocated(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -44,40 +54,39 @@ def run_colocated(core: EngineCore, prompts: list[list[int]], max_tokens: int) -
     return list(out.values())
 
 
-def run_disaggregated(prefill: EngineCore, decode: EngineCore, receiver: KVReceiver, prompts: list[list[int]],
+def run_disaggregated(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]],
                       max_tokens: int) -> list[list[int]]:
     """What the router and the two workers do, minus the processes."""
-    sender = RoutingSender(b"k")
-    kv_send = LayerwiseKVSend(sender, BLOCK)
-    prefill.runner.layer_hook = kv_send
+    send, recv = prefill.connector, decode.connector
+    assert isinstance(send, KVSendConnector) and isinstance(recv, KVRecvConnector)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, list[int]] = {}
     handles: dict[str, TransferHandle] = {}
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        reserved = decode.scheduler.reserve_remote(Request(rid, p, params))
-        assert reserved is not None
-        block_ids, cached_tokens = reserved
-        receiver.open(rid, block_ids)
-        handles[rid] = TransferHandle(rid, block_ids, cached_tokens // BLOCK, receiver.endpoint)
-        prefill.add_request(Request(rid, p, params, kv_transfer=handles[rid]))
+        recv.expect(rid)
+        decode.add_request(Request(rid, p, params))
         out[rid] = []
+    while len(handles) < len(prompts):  # the decode engine allocates the reservations in its steps
+        assert decode.step() == []
+        handles.update((h.request_id, h) for h in recv.take_reserved())
+    assert not decode.has_unfinished()  # waiting for KV needs no steps
+    for i, p in enumerate(prompts):
+        send.send_to(handles[f"r{i}"])
+        prefill.add_request(prefill_request(Request(f"r{i}", p, params)))
     landing: dict[str, int] = {}
     while prefill.has_unfinished() or landing:
         for o in prefill.step():
-            assert o.finish_reason is None  # transferred, not finished: decoding goes on elsewhere
+            assert o.finish_reason == "length"  # max_tokens 1: decoding goes on elsewhere
             landing[o.request_id] = o.new_token_ids[0]
-            kv_send.finish(handles[o.request_id])
-        for result in sender.poll():
+        for result in send.sender.poll():
             assert result.ok, result.error
             token = landing.pop(result.request_id)
-            receiver.close(result.request_id)
-            assert decode.scheduler.admit_remote(result.request_id, token, None)
+            assert recv.arrived(result.request_id, token, None)
             out[result.request_id].append(token)
     while decode.has_unfinished():
         for o in decode.step():
             out[o.request_id] += o.new_token_ids
-    sender.close()
     return list(out.values())
 
 
@@ -102,35 +111,39 @@ def test_handoff_matches_a_single_engine(tiny: Path, transport: str, budget: int
     reference = engine(tiny, budget)
     expected = run_colocated(reference, prompts, 6)
     receiver = make_receiver(transport, "127.0.0.1", 0, b"k")
-    prefill, decode = engine(tiny, budget), engine(tiny, budget, receiver.allocate_pool)
+    prefill, decode = prefill_engine(tiny, budget), decode_engine(tiny, budget, receiver)
     try:
-        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        assert run_disaggregated(prefill, decode, prompts, 6) == expected
         # Again: now the decode side caches the prompts (only the tail is shipped) and so does the
         # prefill side (it computes only the last token but still ships what the decode side lacks).
         hits_before = decode.scheduler.kv.prefix_stats.hits
-        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        assert run_disaggregated(prefill, decode, prompts, 6) == expected
         assert decode.scheduler.kv.prefix_stats.hits > hits_before
         # Prompts the decode side has never seen but the prefill side has: they must still arrive whole.
         assert decode.scheduler.kv.reset_prefix_cache()
-        assert run_disaggregated(prefill, decode, receiver, prompts, 6) == expected
+        assert run_disaggregated(prefill, decode, prompts, 6) == expected
         for core in (reference, prefill, decode):
             assert_clean(core)
     finally:
+        prefill.connector.sender.close()
         receiver.shutdown()
 
 
 def test_a_reservation_is_private_until_admitted(tiny: Path) -> None:
     """Blocks whose KV has not arrived must not be served to a local request as a prefix hit."""
     receiver = make_receiver("shm")
-    decode = engine(tiny, 64, receiver.allocate_pool)
+    decode = decode_engine(tiny, 64, receiver)
     prompt = list(range(1, 20))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    assert decode.scheduler.reserve_remote(Request("remote", prompt, params)) is not None
+    decode.connector.expect("remote")
+    decode.add_request(Request("remote", prompt, params))
+    decode.step()
+    assert [h.request_id for h in decode.connector.take_reserved()] == ["remote"]
     local = Request("local", prompt, params)
     hits, _ = decode.scheduler.kv.get_computed_blocks(local)
     assert hits == []
     with pytest.raises(ValueError, match="already in use"):
-        decode.scheduler.reserve_remote(Request("remote", prompt, params))
+        decode.add_request(Request("remote", prompt, params))
     decode.abort(["remote"])
     assert_clean(decode)
     receiver.shutdown()

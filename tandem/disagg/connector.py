@@ -1,34 +1,64 @@
-"""The prefill worker's side of the KV transfer: which block ranges go out after each layer.
+"""Prefill/decode disaggregation as two KV connectors: the engine itself knows nothing of it.
 
-Each step, for every scheduled request that carries a TransferHandle, the blocks from the first not
-yet sent (never below what the decode worker already caches) up to the last one this step touches
-are shipped after each layer finishes, while the next layer computes. A chunk that ends inside a
-block ships that block partly filled and ships it again, whole, with the next chunk, so every
-write is of whole blocks. Blocks this worker found in its own prefix cache go out too: the
-decode worker needs them, whoever computed them.
+`KVSendConnector` (prefill worker): each step, for every scheduled request the worker is sending,
+the blocks from the first not yet sent (never below what the decode worker already caches) up to
+the last one this step touches are shipped after each layer finishes, while the next layer
+computes. A chunk that ends inside a block ships that block partly filled and ships it again,
+whole, with the next chunk, so every write is of whole blocks. Blocks this worker found in its own
+prefix cache (or loaded from the store) go out too: the decode worker needs them, whoever computed
+them. The router sends the request with max_tokens 1, so it ends after its first token like any
+request; when it ends the transfer is finished (or aborted), and the worker reports the first token
+once the sender says the KV has landed.
+
+`KVRecvConnector` (decode worker): a request the worker was told to expect is admitted by the
+scheduler as a load of its whole prompt (past the pool's own prefix hits): its blocks are allocated
+and opened for the prefill worker's writes, and the handle goes back to the router. When the router
+says the KV is in place, along with the token the prefill worker sampled and its random state, the
+load finishes: the scheduler caches the blocks, and the connector appends that token, so decoding
+continues exactly where the prefill worker stopped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from tandem.disagg.transport import KVSender, TransferHandle
+from tandem.disagg.transport import KVReceiver, KVSender, TransferHandle
+from tandem.engine.kv_connector import FinishedTransfers, KVConnector
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import ScheduledRequest
 
 
-class LayerwiseKVSend:
+@dataclass
+class _SendPlan:
+    sends: list[tuple[TransferHandle, torch.Tensor, list[int]]] = field(default_factory=list)
+    progress: dict[str, int] = field(default_factory=dict)  # request id -> blocks complete after the step
+
+
+class KVSendConnector(KVConnector):
     def __init__(self, sender: KVSender, block_size: int) -> None:
         self.sender = sender
         self.block_size = block_size
+        self._handles: dict[str, TransferHandle] = {}
         self._next_block: dict[str, int] = {}  # first block not yet sent complete, per request
+        self._kv: torch.Tensor | None = None
+        self._plan: _SendPlan | None = None
 
-    def plan(self, items: list[ScheduledRequest], kv_caches: torch.Tensor) -> Callable[[int], None] | None:
-        sends: list[tuple[TransferHandle, torch.Tensor, list[int]]] = []
-        progress: dict[str, int] = {}
+    def send_to(self, handle: TransferHandle) -> None:
+        """The request with this id (added next) ships its KV to the handle's blocks."""
+        self._handles[handle.request_id] = handle
+
+    def forget(self, request_id: str) -> None:
+        """The request never made it into the engine."""
+        self._handles.pop(request_id, None)
+
+    # -- scheduler half -------------------------------------------------------------------------
+    def build_step(self, items: list[ScheduledRequest]) -> _SendPlan | None:
+        plan = _SendPlan()
         for item in items:
-            handle: TransferHandle | None = item.request.kv_transfer
+            handle = self._handles.get(item.request.request_id)
             if handle is None:
                 continue
             rid = handle.request_id
@@ -37,30 +67,112 @@ class LayerwiseKVSend:
             end = -(-computed // self.block_size)
             if end > start:
                 src = torch.tensor(item.block_ids[start:end], dtype=torch.long)
-                sends.append((handle, src, handle.block_ids[start:end]))
-            progress[rid] = max(start, computed // self.block_size)
-        if not sends:
-            self._next_block.update(progress)
-            return None
-        last_layer = kv_caches.shape[0] - 1
+                plan.sends.append((handle, src, handle.block_ids[start:end]))
+            plan.progress[rid] = max(start, computed // self.block_size)
+        return plan if plan.progress else None
 
-        def after_layer(layer: int) -> None:
-            kv = kv_caches[layer]
-            for handle, src, dst in sends:
-                self.sender.write(handle, layer, dst, kv.index_select(1, src))
-            if layer == last_layer:  # a step that fails before this is retried and sends it all again
-                self._next_block.update(progress)
-
-        return after_layer
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        handle = self._handles.pop(request.request_id, None)
+        self._next_block.pop(request.request_id, None)
+        if handle is not None:
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.sender.finish(handle)  # every layer of the last step was written in the forward pass
+            else:
+                self.sender.abort(request.request_id)
+        return False  # each write copied its blocks out: nothing reads the pool after the step
 
     def reset(self, request_id: str) -> None:
         """The request starts over (its step was undone): send everything again."""
         self._next_block.pop(request_id, None)
 
-    def finish(self, handle: TransferHandle) -> None:
-        self._next_block.pop(handle.request_id, None)
-        self.sender.finish(handle)
+    # -- worker half ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        self._kv = kv_caches
 
-    def abort(self, request_id: str) -> None:
-        self._next_block.pop(request_id, None)
-        self.sender.abort(request_id)
+    def start_step(self, meta: _SendPlan | None) -> None:
+        self._plan = meta
+
+    @property
+    def has_layer_work(self) -> bool:
+        return self._plan is not None and bool(self._plan.sends)
+
+    def save_layer(self, layer: int) -> None:
+        assert self._plan is not None and self._kv is not None
+        kv = self._kv[layer]
+        for handle, src, dst in self._plan.sends:
+            self.sender.write(handle, layer, dst, kv.index_select(1, src))
+
+    def finish_step(self) -> None:
+        # Reached only when the forward pass completed: a step that fails is retried and sends it all again.
+        if self._plan is not None:
+            self._next_block.update(self._plan.progress)
+        self._plan = None
+
+
+class KVRecvConnector(KVConnector):
+    def __init__(self, receiver: KVReceiver, block_size: int, worker_id: str = "") -> None:
+        self.receiver = receiver
+        self.block_size = block_size
+        self.worker_id = worker_id
+        self._expected: set[str] = set()
+        self._loading: dict[str, int] = {}  # request id -> tokens the prefill worker writes
+        self._reserved: list[TransferHandle] = []
+        self._arrived: dict[str, tuple[int, torch.Tensor | None]] = {}  # KV in place: first token, random state
+        self._landed: dict[str, tuple[int, torch.Tensor | None]] = {}
+
+    def expect(self, request_id: str) -> None:
+        """The request with this id (added next) gets its prompt's KV from a prefill worker."""
+        self._expected.add(request_id)
+
+    def take_reserved(self) -> list[TransferHandle]:
+        """Handles for the requests whose blocks were allocated since the last call."""
+        out, self._reserved = self._reserved, []
+        return out
+
+    def arrived(self, request_id: str, first_token: int, generator_state: torch.Tensor | None) -> bool:
+        """The prefill worker's KV is in place; False if the reservation is gone (aborted or expired)."""
+        if request_id not in self._loading or request_id in self._arrived:
+            return False
+        self.receiver.close(request_id)  # no write may land once decoding reads these blocks
+        self._arrived[request_id] = (first_token, generator_state)
+        return True
+
+    # -- scheduler half -------------------------------------------------------------------------
+    def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if request.request_id not in self._expected:
+            return 0  # a local request, or one recomputed here after a preemption
+        self._expected.discard(request.request_id)
+        return request.num_tokens - num_computed_tokens  # the whole prompt arrives: nothing is computed here
+
+    def on_allocated(self, request: Request, block_ids: list[int], num_computed_tokens: int,
+                     num_external_tokens: int) -> None:
+        rid = request.request_id
+        self.receiver.open(rid, block_ids)
+        self._loading[rid] = num_external_tokens
+        self._reserved.append(TransferHandle(rid, block_ids, num_computed_tokens // self.block_size,
+                                             self.receiver.endpoint, self.worker_id))
+
+    def busy(self) -> bool:
+        return bool(self._arrived)
+
+    def take_finished(self) -> FinishedTransfers:
+        loads = {rid: self._loading.pop(rid) for rid in self._arrived}
+        self._landed.update(self._arrived)
+        self._arrived = {}
+        return FinishedTransfers(loads)
+
+    def on_load_finished(self, request: Request) -> None:
+        token, generator_state = self._landed.pop(request.request_id)
+        request.append_output_token(token)
+        request.first_token_time = time.monotonic()
+        if generator_state is not None and request.generator is not None:
+            request.generator.set_state(generator_state)  # seeded sampling continues the same stream
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        rid = request.request_id
+        self._expected.discard(rid)
+        self._landed.pop(rid, None)
+        self._arrived.pop(rid, None)
+        if self._loading.pop(rid, None) is not None:
+            self.receiver.close(rid)  # before its blocks go back to the pool
+        return False

@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by the peer, so bound them
 
 
+def prefill_request(request: Request) -> Request:
+    """The prefill worker's copy: it computes the prompt and samples the first token, then stops
+    (the decode worker continues from that token), so min_tokens masks that token as it would."""
+    params = replace(request.sampling_params, max_tokens=1, min_tokens=min(request.sampling_params.min_tokens, 1))
+    return replace(request, sampling_params=params)
+
+
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
                  selector: WorkerSelector | None = None,
@@ -307,7 +314,7 @@ class DisaggEngine(EngineClient):
         handle: TransferHandle = reply[2]
         flight.phase = "prefill"
         reply = await self._ask(flight, prefill, self.settings.prefill_timeout, "prefill",
-                                replace(flight.request, kv_transfer=handle))
+                                prefill_request(flight.request), handle)
         if reply[0] == "transfer_failed":
             log.warning("request %s: KV transfer %s -> %s failed: %s", rid, prefill.worker_id, decode.worker_id,
                         reply[2])
@@ -316,6 +323,7 @@ class DisaggEngine(EngineClient):
         generator_state = reply[3]
         self.counters.disaggregated += 1
         self._assign(flight, None, decode)
+        first = self._as_first_token(flight.request, first)
         if first.finished:  # the first token ended it: the reservation is not needed
             await self._send(decode, "abort", [rid])
         else:
@@ -323,6 +331,14 @@ class DisaggEngine(EngineClient):
             await self._send(decode, "admit", rid, first.new_token_ids[0], generator_state)
         await self._deliver_outputs([first])
         return True
+
+    def _as_first_token(self, request: Request, first: EngineCoreOutput) -> EngineCoreOutput:
+        """The prefill worker ran the request with max_tokens 1, so it always "finished": it did
+        for the request itself only on a stop, at its own max_tokens, or at the context's end."""
+        params = request.sampling_params
+        ends = first.finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1) or \
+            (self.info is not None and request.num_tokens + 1 >= self.info.max_model_len)
+        return first if ends else replace(first, finish_reason=None, finish_time=None)
 
     async def _release(self, flight: Flight) -> None:
         """Undo a failed attempt before the next one (which reuses the request id)."""
@@ -357,7 +373,7 @@ class DisaggEngine(EngineClient):
         self._assign(flight, None, worker)
         flight.phase = "colocated"
         # A fresh copy: the request object may have been sent before and must start clean.
-        if not await self._send(worker, "add", [replace(flight.request, kv_transfer=None)]):
+        if not await self._send(worker, "add", [replace(flight.request)]):
             raise WorkerLost(f"worker {worker.worker_id} is unreachable")
 
     def health(self) -> dict[str, Any]:

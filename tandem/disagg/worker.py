@@ -1,14 +1,15 @@
 """A prefill or decode worker: one engine core behind a DEALER socket connected to the router.
 
 Every worker is a full engine (the router can run a whole request on any of them, which is how it
-falls back when a transfer fails); the role decides what else it does:
-  prefill: runs requests that carry a TransferHandle, ships their KV layer by layer as it computes,
-           and reports the first token once the transfer has landed;
-  decode:  owns the pool the KV lands in; reserves blocks for a prompt, admits it when told its
-           KV is in place, and decodes.
+falls back when a transfer fails); the role decides which KV connector its engine gets
+(disagg/connector.py):
+  prefill: runs a request with the TransferHandle it came with, ships its KV layer by layer as it
+           computes, and reports the first token once the transfer has landed;
+  decode:  owns the pool the KV lands in; a reserved request waits for its KV in the engine (its
+           blocks allocated and opened for writes), and decodes once the router says it landed.
 
 Router -> worker (signed, see wire.py):
-  ("add", [Request]) ("abort", [request_id]) ("reserve", Request) ("prefill", Request)
+  ("add", [Request]) ("abort", [request_id]) ("reserve", Request) ("prefill", Request, TransferHandle)
   ("admit", request_id, first_token, generator_state) ("forget", kv_address) ("shutdown",) ("hello",)
 Worker -> router:
   ("register", WorkerInfo) ("outputs", [EngineCoreOutput], WorkerStats)
@@ -31,9 +32,10 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
-from tandem.disagg.connector import LayerwiseKVSend
-from tandem.disagg.transport import KVEndpoint, KVReceiver, RoutingSender, TransferHandle, TransferStats, make_receiver
-from tandem.engine.request import Request, RequestStatus
+from tandem.disagg.connector import KVRecvConnector, KVSendConnector
+from tandem.disagg.transport import KVEndpoint, KVReceiver, RoutingSender, TransferStats, make_receiver
+from tandem.engine.kv_connector import KVConnector
+from tandem.engine.request import Request
 from tandem.serve.core_proc import IDLE_POLL_MS, CoreInfo, CoreStats, core_info, core_stats, send_failures
 
 log = logging.getLogger(__name__)
@@ -81,14 +83,17 @@ class Worker:
         self.sock.connect(router_addr)
         self.channel = wire.Channel(secret)
         self.receiver: KVReceiver | None = None
+        self.sender = RoutingSender(secret)
+        block_size = config.cache.block_size
+        self.kv_send = KVSendConnector(self.sender, block_size)
+        self.kv_recv: KVRecvConnector | None = None
+        connector: KVConnector = self.kv_send
         if role == "decode":
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
+            connector = self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
         loaded = load_model(config.model.model, config.model.dtype, config.model.device)
-        self.core = EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None)
+        self.core = EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None, connector)
         self.info = core_info(self.core, loaded)
-        self.sender = RoutingSender(secret)
-        self.kv_send = LayerwiseKVSend(self.sender, config.cache.block_size)
-        self.core.runner.layer_hook = self.kv_send
         self.transfer = TransferStats()
         self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
         self.landing: dict[str, tuple] = {}  # sampled, KV in flight: request id -> (output, generator state)
@@ -124,15 +129,16 @@ class Worker:
         elif kind == "reserve":
             self.reserve(msg[1])
         elif kind == "prefill":
-            request: Request = msg[1]
+            _, request, handle = msg
+            self.kv_send.send_to(handle)
             if self.add(request):
                 self.prefills[request.request_id] = request
+            else:
+                self.kv_send.forget(request.request_id)
         elif kind == "admit":
             _, rid, first_token, generator_state = msg
-            if self.receiver is not None:
-                self.receiver.close(rid)  # no write may land once decoding reads these blocks
             self.reserved_at.pop(rid, None)
-            if not self.core.scheduler.admit_remote(rid, first_token, generator_state):
+            if self.kv_recv is None or not self.kv_recv.arrived(rid, first_token, generator_state):
                 self.send("failed", [rid], "the decode worker no longer holds this request's KV")
         elif kind == "hello":
             self.register()
@@ -147,33 +153,35 @@ class Worker:
             return False
 
     def reserve(self, request: Request) -> None:
-        rid = request.request_id
-        try:
-            reserved = self.core.scheduler.reserve_remote(request)
-        except ValueError as e:
-            self.send("reserve_failed", rid, str(e))
-            return
-        if reserved is None or self.receiver is None:
+        """Queue the request as one whose prompt KV arrives from outside; it is "reserved" once the
+        engine has allocated its blocks (at once, or when blocks free up: the router waits)."""
+        if self.kv_recv is None:
             self.transfer.reservations_refused += 1
-            self.send("reserve_failed", rid, "no free KV blocks")
+            self.send("reserve_failed", request.request_id, f"worker {self.worker_id} is not a decode worker")
             return
-        block_ids, num_cached_tokens = reserved
-        self.receiver.open(rid, block_ids)
-        self.reserved_at[rid] = time.monotonic()
-        self.transfer.reservations += 1
-        handle = TransferHandle(rid, block_ids, num_cached_tokens // self.core.config.cache.block_size,
-                                self.receiver.endpoint, self.worker_id)
-        self.send("reserved", rid, handle)
+        self.kv_recv.expect(request.request_id)
+        try:
+            self.core.add_request(request)
+        except ValueError as e:
+            self.send("reserve_failed", request.request_id, str(e))
+
+    def report_reservations(self) -> None:
+        if self.kv_recv is None:
+            return
+        for handle in self.kv_recv.take_reserved():
+            self.reserved_at[handle.request_id] = time.monotonic()
+            self.transfer.reservations += 1
+            self.send("reserved", handle.request_id, handle)
 
     def abort(self, request_ids: list[str]) -> None:
+        """The engine's connectors close reservations and stop transfers before any block is freed."""
         for rid in request_ids:
-            if self.receiver is not None:
-                self.receiver.close(rid)  # before the blocks go back to the pool
             self.reserved_at.pop(rid, None)
-            if self.prefills.pop(rid, None) is not None:
-                self.kv_send.abort(rid)
+            self.prefills.pop(rid, None)
             self.landing.pop(rid, None)
         self.core.abort(request_ids)
+        for rid in request_ids:
+            self.kv_send.forget(rid)  # a handle for a request that never reached the engine
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -193,13 +201,11 @@ class Worker:
                 plain.append(out)
                 continue
             del self.prefills[out.request_id]
-            if request.status == RequestStatus.FINISHED_TRANSFERRED:
-                state = request.generator.get_state() if request.generator is not None else None
-                self.landing[out.request_id] = (out, state)
-                self.kv_send.finish(request.kv_transfer)
-            else:  # finished on its first token (a stop, or max_tokens 1): nothing to decode
-                self.kv_send.abort(out.request_id)
-                self.send("prefilled", out.request_id, out, None, None)
+            # It ran with max_tokens 1: finished, and its connector finished the transfer; the router
+            # hears of the token once the KV has landed.
+            state = request.generator.get_state() if request.generator is not None else None
+            self.landing[out.request_id] = (out, state)
+        self.report_reservations()
         if plain or not outputs:
             self.send("outputs", plain, self.stats())
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.llama import LlamaForCausalLM
 from tandem.ops.extension import load_extension
 
@@ -56,7 +58,8 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None,
+                 connector: KVConnector | None = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":
             load_extension()  # load (or, if set-up was skipped, build) now rather than on the first step
@@ -64,8 +67,15 @@ class EngineCore:
         num_blocks = num_kv_blocks(config, model.cfg)
         self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings, num_blocks * config.cache.block_size)
-        self.runner = ModelRunner(config, model, num_blocks, kv_allocator)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        fingerprint = model.fingerprint
+        if fingerprint is None:
+            fingerprint = weights_fingerprint(model.state_dict(), config.model.dtype)
+        # Part of every block's key: equal keys mean equal KV on every process and host.
+        self.block_key_extra = (fingerprint, config.cache.block_size)
+        self.connector = connector or KVConnector()
+        self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
+                                   self.block_key_extra)
         self.last_step = StepStats()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -96,6 +106,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
+            if self.connector.busy():  # KV on its way in: wait for it rather than spin
+                self.connector.wait(0.005)
             self.last_step = StepStats(schedule_s=t1 - t0)
             return []
         generators = {s.request.request_id: s.request.generator.get_state() for s in sched.scheduled
@@ -137,7 +149,7 @@ class EngineCore:
                 if s.request.request_id in generators:
                     s.request.generator.set_state(generators[s.request.request_id])
             try:
-                part = self.runner.execute(SchedulerOutput(items))
+                part = self.runner.execute(SchedulerOutput(items, connector_meta=self.connector.build_step(items)))
             except Exception as e:
                 if len(items) == 1:
                     errors[items[0].request.request_id] = f"engine error: {type(e).__name__}: {e}"
@@ -170,8 +182,7 @@ class EngineCore:
         for rid, request in redo.items():
             if rid in generators:
                 request.generator.set_state(generators[rid])
-            if self.runner.layer_hook is not None:
-                self.runner.layer_hook.reset(rid)
+            self.connector.reset(rid)
             self.scheduler.requeue(rid)
         outputs = []
         for rid, request in failed.items():

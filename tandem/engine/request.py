@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -16,16 +15,14 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    # Disaggregated decode: blocks reserved, the prompt's KV is arriving from a prefill worker.
-    WAITING_FOR_REMOTE_KV = 3
+    # Blocks allocated, KV arriving through the KV connector (a store, a prefill worker).
+    WAITING_FOR_KV = 3
     # Everything from here on is finished.
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
-    # Disaggregated prefill: the first token is sampled and the KV sent; decoding goes on elsewhere.
-    FINISHED_TRANSFERRED = 7
     # A step failed because of this request (found by retrying the step without it).
-    FINISHED_ERROR = 8
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -67,9 +64,6 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
-    # Set on a prefill worker: where this prompt's KV goes (a disagg.transport.TransferHandle). The
-    # request stops after its first token and the decode worker carries on.
-    kv_transfer: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

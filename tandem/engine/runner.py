@@ -9,15 +9,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
-from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.scheduler import SchedulerOutput
 from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
@@ -47,16 +47,6 @@ def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
     return max(int(config.cache.kv_cache_memory * GiB) // per_block, 1)
 
 
-class LayerHook(Protocol):
-    """Plans per-layer work for a step (the disaggregated prefill's KV send): returns the callback
-    the model runs after each layer, or None when this step has nothing to do."""
-
-    def plan(self, items: list[ScheduledRequest], kv_caches: torch.Tensor) -> Callable[[int], None] | None: ...
-
-    def reset(self, request_id: str) -> None:
-        """Forget what was done for a request whose step is undone (it is computed again)."""
-
-
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
@@ -69,7 +59,7 @@ def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: tor
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
-                 kv_allocator: KVAllocator | None = None) -> None:
+                 kv_allocator: KVAllocator | None = None, connector: KVConnector | None = None) -> None:
         self.model = model
         self.block_size = config.cache.block_size
         self.device = torch.device(config.model.device)
@@ -78,7 +68,8 @@ class ModelRunner:
         self.kv_caches = (kv_allocator or default_kv_allocator)(shape, config.model.dtype, self.device)
         if config.cache.prefault_kv_cache:
             prefault(self.kv_caches)
-        self.layer_hook: LayerHook | None = None
+        self.connector = connector or KVConnector()
+        self.connector.register_kv_caches(self.kv_caches)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -108,8 +99,18 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.from_numpy(rows).to(self.device)
         t1 = time.perf_counter()
-        after_layer = self.layer_hook.plan(items, self.kv_caches) if self.layer_hook is not None else None
+        connector = self.connector
+        connector.start_step(sched.connector_meta)
+        after_layer = None
+        if connector.has_layer_work:
+            connector.wait_for_layer_load(0)
+
+            def after_layer(layer: int) -> None:
+                connector.save_layer(layer)
+                connector.wait_for_layer_load(layer + 1)
+
         logits = self.model(ids, meta, self.kv_caches, idx, after_layer)
+        connector.finish_step()
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}

@@ -5,6 +5,10 @@ and another's decode token share one forward pass. Running requests are served f
 arrival order), so a long prompt never stalls anyone's stream; waiting requests fill what budget
 is left. When the pool runs dry the newest running request is preempted (its blocks are freed and
 it is recomputed later), which always lets the oldest one progress: no deadlock, no OOM.
+
+KV that comes from outside the pool (a store hit, a disaggregated prefill's output) comes through
+the KV connector: the scheduler asks it how many tokens beyond the pool's prefix hits it can bring,
+allocates blocks for them, and parks the request in `loading` until the connector says they landed.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.fair_queue import FairQueue, order_key
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.kv.manager import KVCacheManager
 
@@ -32,6 +36,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    connector_meta: Any = None  # the KV connector's plan for this step (its worker half runs it)
 
     @property
     def total_num_tokens(self) -> int:
@@ -70,17 +75,20 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, connector: KVConnector | None = None, key_extra: tuple = ()) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 cache_config.prefix_caching_hash_algo, cache_config.enable_kv_events)
+                                 cache_config.prefix_caching_hash_algo, cache_config.enable_kv_events, key_extra)
+        self.connector = connector or KVConnector()
         self.waiting = FairQueue()
         self.running: list[Request] = []
-        # Disaggregated decode: admitted with their KV in place, waiting only for a seat.
+        # Holding blocks while the connector brings their KV in (WAITING_FOR_KV): no seat, no steps.
+        self.loading: dict[str, Request] = {}
+        # Their KV landed: they hold their blocks already and need only a seat.
         self._ready: deque[Request] = deque()
-        # Disaggregated decode: requests holding reserved blocks while their KV arrives.
-        self.remote: dict[str, Request] = {}
+        # Finished, but the connector still reads or writes their blocks: freed when it releases them.
+        self._held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         threshold = scheduler_config.long_prefill_token_threshold
@@ -121,53 +129,51 @@ class Scheduler:
             self._ready.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            del self.remote[request.request_id]
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            del self.loading[request.request_id]
         request.status = status
         request.finish_time = time.monotonic()
-        self.kv.free(request)
         del self.requests[request.request_id]
+        if self.connector.request_finished(request, self.kv.get_block_ids(request.request_id)):
+            self._held[request.request_id] = request
+        else:
+            self.kv.free(request)
 
     def has_unfinished(self) -> bool:
-        return len(self.requests) > len(self.remote)  # a reservation alone needs no steps
+        # A request waiting for its KV needs no steps, unless the connector's work finishes by itself.
+        return len(self.requests) > len(self.loading) or self.connector.busy()
 
-    # -- disaggregated decode -----------------------------------------------------------------
-    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
-        """Reserve blocks for a prompt whose KV a prefill worker will write. Returns the block ids
-        (one per prompt block) and how many leading tokens this pool already holds (prefix cache
-        hits, which need not be sent), or None when the pool has no room now."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-        # Nothing is computed here: the whole prompt arrives or is already cached.
-        if self.kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hits, defer_caching=True) is None:
-            return None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.num_cached_tokens = num_hit_tokens
-        request.scheduled_time = time.monotonic()
-        self.kv.record_prefix_lookup(request, num_hit_tokens)
-        self.requests[request.request_id] = request
-        self.remote[request.request_id] = request
-        return self.kv.get_block_ids(request.request_id), num_hit_tokens
-
-    def admit_remote(self, request_id: str, first_token: int, generator_state: torch.Tensor | None) -> bool:
-        """The prompt's KV is in place and the prefill worker sampled the first token: decode from
-        here. False if the reservation is gone (aborted or expired)."""
-        request = self.remote.pop(request_id, None)
-        if request is None:
+    # -- KV from outside the pool ---------------------------------------------------------------
+    def _start_load(self, request: Request, hits: list, num_hit_tokens: int, num_external: int) -> bool:
+        """Blocks for the pool's hits plus what the connector brings; the request waits for it."""
+        if self.kv.allocate_slots(request, num_external, hits, defer_caching=True) is None:
             return False
-        request.num_computed_tokens = request.num_tokens
-        self.kv.cache_blocks(request, request.num_tokens)
-        request.append_output_token(first_token)
-        request.first_token_time = time.monotonic()
-        if generator_state is not None and request.generator is not None:
-            request.generator.set_state(generator_state)  # seeded sampling continues the same stream
-        request.status = RequestStatus.WAITING
-        self._ready.append(request)  # it holds its blocks already: it needs only a seat
+        self._admitted(request, num_hit_tokens)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+        self.connector.on_allocated(request, self.kv.get_block_ids(request.request_id), num_hit_tokens, num_external)
         return True
+
+    def _collect_transfers(self) -> None:
+        finished = self.connector.take_finished()
+        for rid, num_loaded in finished.loads.items():
+            request = self.loading.pop(rid, None)
+            if request is None:
+                continue  # aborted meanwhile
+            request.num_computed_tokens += num_loaded
+            # Blocks past what landed (a load cut short) are computed here like any other.
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            self.connector.on_load_finished(request)
+            request.status = RequestStatus.WAITING
+            self._ready.append(request)
+        for rid in finished.released:
+            request = self._held.pop(rid, None)
+            if request is not None:
+                self.kv.free(request)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._collect_transfers()
         step = _Step(self.config.max_num_batched_tokens)
         while self._ready and len(self.running) < self.config.max_num_seqs:
             request = self._ready.popleft()
@@ -189,6 +195,8 @@ class Scheduler:
             n = step.scheduled.get(request.request_id)
             if n:
                 step.out.scheduled.append(ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id)))
+        if step.out.scheduled:
+            step.out.connector_meta = self.connector.build_step(step.out.scheduled)
         return step.out
 
     def _schedule_prompts(self, step: _Step) -> None:
@@ -231,7 +239,7 @@ class Scheduler:
             caps[tenant] -= num_new
             if num_new:
                 self.waiting.charge(tenant, num_new, request.tenant_weight)
-            elif request.status != RequestStatus.RUNNING:
+            elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 admitting = False
 
     def _schedule_prompt(self, request: Request, cap: int, step: _Step) -> int:
@@ -245,6 +253,11 @@ class Scheduler:
         hits, num_hit_tokens = [], 0
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_external = self.connector.num_loadable_tokens(request, num_hit_tokens)
+            if num_external:
+                if self._start_load(request, hits, num_hit_tokens, num_external):
+                    self.waiting.pop(request.tenant)  # it is its tenant's head
+                return 0
         num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, self._chunk_cap)
         if num_new > cap:
             if not self.config.enable_chunked_prefill:
@@ -254,15 +267,18 @@ class Scheduler:
                 is None:
             return 0
         self.waiting.pop(request.tenant)  # it is its tenant's head
+        self._admitted(request, num_hit_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+        return num_new
+
+    def _admitted(self, request: Request, num_hit_tokens: int) -> None:
         if request.scheduled_time is None:  # first admission, not a resume
             request.num_cached_tokens = num_hit_tokens
             self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.scheduled_time = time.monotonic()
         request.num_computed_tokens += num_hit_tokens
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        step.add(request, num_new)
-        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
         """Slots for a running request, preempting the least important running request (lowest
@@ -319,8 +335,6 @@ class Scheduler:
                 request.append_output_token(token)
                 kept.append(token)
                 status = self._check_stop(request, token)
-                if status is None and request.kv_transfer is not None:
-                    status = RequestStatus.FINISHED_TRANSFERRED  # the decode worker takes it from here
                 if status is not None:
                     self._finish(request, status)
                     break

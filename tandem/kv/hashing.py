@@ -7,9 +7,8 @@ so equal hashes mean equal whole prefixes, and different salts never collide int
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 HashFn = Callable[[int | None, Sequence[int], tuple], int]
 
@@ -25,9 +24,9 @@ def builtin_hash(parent: int | None, tokens: Sequence[int], extra: tuple) -> int
 
 
 def sha256_hash(parent: int | None, tokens: Sequence[int], extra: tuple) -> int:
-    h = hashlib.sha256()
-    h.update(b"root" if parent is None else parent.to_bytes(8, "little", signed=True))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    """The same value on every process, host and Python version: the keys of the shared KV store."""
+    h = hashlib.sha256(b"root" if parent is None else parent.to_bytes(8, "little", signed=True))
+    h.update(array("q", tokens))
     h.update(repr(extra).encode())
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 

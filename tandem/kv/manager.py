@@ -6,11 +6,26 @@ the prefix-cache bookkeeping (hashing, hits, caching blocks as they fill).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from tandem.engine.request import Request
 from tandem.kv.block_pool import BlockPool, KVBlock
 from tandem.kv.hashing import HASH_FUNCTIONS, extend_block_hashes, salt_key
+
+
+class KVRequest(Protocol):
+    """What the cache needs of a request (the engine's Request): storage imports nothing of the engine."""
+
+    request_id: str
+    all_token_ids: Sequence[int]
+    block_hashes: list[int]
+    cache_salt: str | None
+    num_computed_tokens: int
+    num_preemptions: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,8 +55,10 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "builtin", record_events: bool = False) -> None:
+                 hash_algo: str = "sha256", record_events: bool = False, key_extra: tuple = ()) -> None:
         self.block_size = block_size
+        # Part of every block's key: the model fingerprint, so a key means the same KV everywhere.
+        self.key_extra = key_extra
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
@@ -51,12 +68,12 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
 
     # -- prefix cache -------------------------------------------------------------------------
-    def update_block_hashes(self, request: Request) -> None:
+    def update_block_hashes(self, request: KVRequest) -> None:
         if self.enable_caching:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self.hash_fn,
-                                salt_key(request.cache_salt))
+                                self.key_extra + salt_key(request.cache_salt))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
         """The longest cached run of the request's full blocks, and the tokens it covers.
 
         The last token is always left to compute, since its logits are needed to sample.
@@ -73,7 +90,7 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(self, request: KVRequest, num_hit_tokens: int) -> None:
         """Count a prompt's lookup once, when it is admitted (a request stuck at the head of the
         queue is looked up every step), and not again after a preemption, as vLLM does."""
         if self.enable_caching and request.num_preemptions == 0:
@@ -81,7 +98,7 @@ class KVCacheManager:
             self.prefix_stats.hits += num_hit_tokens
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None,
                        num_lookahead_tokens: int = 0, defer_caching: bool = False) -> list[KVBlock] | None:
         """Make room for num_new_tokens (plus lookahead) after the computed ones; None if the pool
@@ -108,12 +125,12 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Make the request's full blocks up to num_tokens shareable (their KV is now in place)."""
         if self.enable_caching:
             self._cache_full_blocks(request, self.req_blocks.get(request.request_id, []), num_tokens)
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: KVRequest, blocks: list[KVBlock], num_tokens: int) -> None:
         self.update_block_hashes(request)
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
@@ -122,7 +139,7 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i], parent, request.cache_salt)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
-    def uncache_uncomputed(self, request: Request) -> list[int]:
+    def uncache_uncomputed(self, request: KVRequest) -> list[int]:
         """Withdraw the request's blocks past its computed tokens from the prefix cache (a step that
         was to fill them failed) and return their ids, so that nobody reads KV that was never written."""
         blocks = self.req_blocks.get(request.request_id, [])
@@ -132,7 +149,7 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = min(self._num_cached_blocks.get(request.request_id, 0), first)
         return [b.block_id for b in blocks[first:]]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         # Tail blocks are the least likely to be shared, so they are evicted first.

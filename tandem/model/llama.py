@@ -82,6 +82,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
+        # Set by the loader (model/fingerprint.py); a model built by hand is fingerprinted by its weights.
+        self.fingerprint: int | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tandem.cache import cache_dir
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
+from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.packed_linear import pack_linears, packing_supported
@@ -216,6 +217,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     if arch.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     net.load_weights(weights)
+    net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
     if packing_supported(torch.device(device), dtype):
         pack_linears(net)

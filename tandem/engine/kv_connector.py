@@ -1,0 +1,200 @@
+"""The KV connector: the one seam through which KV moves into and out of a worker's pool.
+
+Prefill/decode disaggregation (KV sent to another worker as it is computed, or received from one)
+and the tiered KV store (blocks saved below the pool and loaded back instead of recomputed) are
+both connectors; the scheduler and the runner know only this interface. It has two halves:
+
+Scheduler half (called by `Scheduler`, once per decision):
+  - `num_loadable_tokens`: how many tokens beyond the pool's own prefix hits the connector can bring
+    in. The scheduler then allocates blocks for them and the request waits in WAITING_FOR_KV, holding
+    its blocks but no seat, while everyone else's steps go on;
+  - `on_allocated`: the blocks are allocated; the connector starts bringing the KV into them;
+  - `take_finished`: loads that finished (and how many tokens each brought, maybe fewer than asked:
+    a block that did not verify is recomputed) and requests whose blocks may now be freed;
+  - `on_load_finished`: a load's KV is in place; the connector may advance the request (a decode
+    worker appends the token its prefill worker sampled; a store hit counts as cached tokens);
+  - `request_finished`: a request ends; True keeps its blocks until `take_finished` releases them
+    (something may still be reading or writing them);
+  - `build_step`: per-step metadata for the worker half, from the scheduled step.
+
+Worker half (called by `ModelRunner`, around the forward pass):
+  - `register_kv_caches`: the pool tensor, once;
+  - `start_step`: the step's metadata, before the forward pass;
+  - `wait_for_layer_load`: before layer i runs (a connector loading layer by layer blocks here);
+  - `save_layer`: layer i's KV is in the pool (sent or saved while layer i+1 computes);
+  - `finish_step`: after the forward pass (whole-block saves happen here).
+
+One class holds both halves: the scheduler and the runner share a process here, and each half's
+methods touch only that half's state. `MultiConnector` runs several (a prefill worker that loads
+from the store and sends to a decode worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
+    from tandem.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class FinishedTransfers:
+    loads: dict[str, int] = field(default_factory=dict)  # request id -> tokens loaded and in place
+    released: set[str] = field(default_factory=set)  # finished requests whose blocks may be freed now
+
+    def update(self, other: FinishedTransfers) -> None:
+        for rid, n in other.loads.items():
+            self.loads[rid] = min(self.loads.get(rid, n), n)
+        self.released |= other.released
+
+
+class KVConnector:
+    """The null connector: the pool is all there is. Subclasses override what they use."""
+
+    # -- scheduler half -------------------------------------------------------------------------
+    def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        return 0
+
+    def on_allocated(self, request: Request, block_ids: list[int], num_computed_tokens: int,
+                     num_external_tokens: int) -> None:
+        pass
+
+    def take_finished(self) -> FinishedTransfers:
+        return FinishedTransfers()
+
+    def on_load_finished(self, request: Request) -> None:
+        pass
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        return False
+
+    def build_step(self, items: list[ScheduledRequest]) -> Any:
+        return None
+
+    def busy(self) -> bool:
+        """Work in flight that finishes on its own (not on a message from outside): the engine keeps
+        polling while it has no step to run."""
+        return False
+
+    def wait(self, timeout: float) -> None:
+        """Block up to timeout for in-flight work to progress (an engine with nothing to step)."""
+
+    def reset(self, request_id: str) -> None:
+        """The request's last step was undone (it is computed again): forget what it did."""
+
+    # -- worker half ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        pass
+
+    def start_step(self, meta: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        pass
+
+    def save_layer(self, layer: int) -> None:
+        pass
+
+    def finish_step(self) -> None:
+        pass
+
+    @property
+    def has_layer_work(self) -> bool:
+        """Whether the forward pass must call wait_for_layer_load / save_layer this step."""
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class MultiConnector(KVConnector):
+    """Several connectors in order: the first that can load a request's tokens loads them; every
+    one sees every step and every finished request."""
+
+    def __init__(self, connectors: list[KVConnector]) -> None:
+        self.connectors = connectors
+        self._owner: dict[str, KVConnector] = {}  # who is loading a request
+
+    def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        for c in self.connectors:
+            n = c.num_loadable_tokens(request, num_computed_tokens)
+            if n:
+                self._owner[request.request_id] = c
+                return n
+        return 0
+
+    def on_allocated(self, request: Request, block_ids: list[int], num_computed_tokens: int,
+                     num_external_tokens: int) -> None:
+        self._owner[request.request_id].on_allocated(request, block_ids, num_computed_tokens, num_external_tokens)
+
+    def take_finished(self) -> FinishedTransfers:
+        out = FinishedTransfers()
+        for c in self.connectors:
+            out.update(c.take_finished())
+        return out
+
+    def on_load_finished(self, request: Request) -> None:
+        owner = self._owner.pop(request.request_id, None)
+        if owner is not None:
+            owner.on_load_finished(request)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self._owner.pop(request.request_id, None)
+        return any([c.request_finished(request, block_ids) for c in self.connectors])  # every one is told
+
+    def build_step(self, items: list[ScheduledRequest]) -> Any:
+        return [c.build_step(items) for c in self.connectors]
+
+    def busy(self) -> bool:
+        return any(c.busy() for c in self.connectors)
+
+    def wait(self, timeout: float) -> None:
+        for c in self.connectors:
+            if c.busy():
+                c.wait(timeout)
+                return
+
+    def reset(self, request_id: str) -> None:
+        for c in self.connectors:
+            c.reset(request_id)
+
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        for c in self.connectors:
+            c.register_kv_caches(kv_caches)
+
+    def start_step(self, meta: Any) -> None:
+        for c, m in zip(self.connectors, meta or [None] * len(self.connectors), strict=True):
+            c.start_step(m)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for c in self.connectors:
+            c.wait_for_layer_load(layer)
+
+    def save_layer(self, layer: int) -> None:
+        for c in self.connectors:
+            c.save_layer(layer)
+
+    def finish_step(self) -> None:
+        for c in self.connectors:
+            c.finish_step()
+
+    @property
+    def has_layer_work(self) -> bool:
+        return any(c.has_layer_work for c in self.connectors)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in self.connectors:
+            out.update(c.stats())
+        return out
+
+    def close(self) -> None:
+        for c in self.connectors:
+            c.close()
