@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.kv.store.tiered import StoreSettings
+
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -60,6 +62,19 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     # Record block stored/removed events for a KV-aware router (the server publishes them on ZeroMQ).
     enable_kv_events: bool = False
+    # The tiered KV store below the pool (kv/store/): host shared memory (GiB; 0: none) at a path
+    # under /dev/shm (default: one per model and geometry), a disk directory and its bound (GiB),
+    # a Mooncake master (mooncake://HOST:PORT), and a time to live for stored blocks (seconds).
+    kv_offload_memory: float = 0.0
+    kv_offload_path: str | None = None
+    kv_offload_disk: str | None = None
+    kv_offload_disk_size: float = 8.0
+    kv_store: str | None = None
+    kv_store_ttl: float | None = None
+
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(self.kv_offload_memory, self.kv_offload_path, self.kv_offload_disk,
+                             self.kv_offload_disk_size, self.kv_store, self.kv_store_ttl)
 
 
 @dataclass
@@ -115,6 +130,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.scheduler.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
+        if self.cache.store_settings().enabled and not self.cache.enable_prefix_caching:
+            raise ValueError("the KV store keys blocks by their prefix hashes: it needs prefix caching on")
+        if self.cache.kv_store is not None and not self.cache.kv_store.startswith("mooncake://"):
+            raise ValueError(f"kv_store must be mooncake://HOST:PORT, got {self.cache.kv_store!r}")
         if self.cache.prefix_caching_hash_algo not in ("builtin", "sha256"):
             raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
         if self.parallel.num_threads < 1:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.kv_connector import KVConnector
+from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.request import Request
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.model.arch import ArchConfig
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.llama import LlamaForCausalLM
 from tandem.ops.extension import load_extension
@@ -57,6 +58,23 @@ class StepStats:
         return self.schedule_s + self.update_s + self.runner.prepare_s + self.runner.forward_s + self.runner.sample_s
 
 
+def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchConfig, fingerprint: int) -> KVConnector:
+    """The engine's connector: the one it was given, and the tiered store when one is configured
+    (after it, so that a decode worker's expected prompts arrive from their prefill worker)."""
+    settings = config.cache.store_settings()
+    if not settings.enabled:
+        return connector or KVConnector()
+    from tandem.engine.store_connector import StoreConnector
+    from tandem.kv.store.tiered import TieredStore, open_tiers
+
+    block_nbytes = arch.kv_bytes_per_token(config.model.dtype.itemsize) * config.cache.block_size
+    ident = f"{fingerprint & (2**64 - 1):016x}-{block_nbytes}"
+    store = StoreConnector(TieredStore(open_tiers(settings, block_nbytes, ident), block_nbytes),
+                           config.cache.block_size)
+    log.info("KV store: %s", ", ".join(t.name for t in store.store.tiers))
+    return store if connector is None else MultiConnector([connector, store])
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None,
                  connector: KVConnector | None = None) -> None:
@@ -72,7 +90,7 @@ class EngineCore:
             fingerprint = weights_fingerprint(model.state_dict(), config.model.dtype)
         # Part of every block's key: equal keys mean equal KV on every process and host.
         self.block_key_extra = (fingerprint, config.cache.block_size)
-        self.connector = connector or KVConnector()
+        self.connector = with_store(connector, config, model.cfg, fingerprint)
         self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    self.block_key_extra)
@@ -194,3 +212,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def close(self) -> None:
+        """Stop the connector's threads (the store flushes what it was saving)."""
+        self.connector.close()
