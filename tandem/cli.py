@@ -33,6 +33,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    store = p.add_argument_group("tiered KV store (blocks kept below the pool, loaded instead of recomputed)")
+    store.add_argument("--kv-offload-memory", type=float, default=CacheConfig.kv_offload_memory, metavar="GIB",
+                       help="host-memory tier, shared by every worker on the host (0: none)")
+    store.add_argument("--kv-offload-path", default=None, metavar="PATH",
+                       help="the host tier's file under /dev/shm (default: one per deployment, removed at exit)")
+    store.add_argument("--kv-offload-disk", default=None, metavar="DIR",
+                       help="disk tier: a directory (survives restarts)")
+    store.add_argument("--kv-offload-disk-size", type=float, default=CacheConfig.kv_offload_disk_size, metavar="GIB")
+    store.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
+                       help="distributed tier: a Mooncake Store master")
+    store.add_argument("--kv-store-ttl", type=float, default=None, metavar="SECONDS",
+                       help="stored blocks older than this are not used")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -54,7 +66,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads)
+                enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
+                kv_offload_memory=args.kv_offload_memory, kv_offload_path=args.kv_offload_path,
+                kv_offload_disk=args.kv_offload_disk, kv_offload_disk_size=args.kv_offload_disk_size,
+                kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl)
 
 
 def parse_weights(items: list[str]) -> dict[str, float]:
@@ -119,6 +134,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TANDEM_API_KEY"):
         keys = [os.environ["TANDEM_API_KEY"]]
+    owned_shm = None
+    if args.kv_offload_memory > 0 and args.kv_offload_path is None:
+        from tandem.kv.store.host_tier import default_shm_path
+
+        # One host tier per deployment, shared by its engine processes and removed when it stops.
+        args.kv_offload_path = owned_shm = default_shm_path(f"serve-{os.getpid()}")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     admission = AdmissionSettings(args.max_waiting_requests, args.seat_overcommit, args.admission_ttft_budget or None,
                                   args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
@@ -138,8 +159,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    finally:
+        if owned_shm is not None and os.path.exists(owned_shm):
+            os.unlink(owned_shm)
     return 0
 
 

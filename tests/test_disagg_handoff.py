@@ -17,7 +17,7 @@ from test_tiny_models import build
 
 from tandem.config import EngineConfig
 from tandem.disagg.connector import KVRecvConnector, KVSendConnector
-from tandem.disagg.router import prefill_request
+from tandem.disagg.flight import prefill_request
 from tandem.disagg.transport import KVReceiver, RoutingSender, TransferHandle, make_receiver
 from tandem.engine.core import EngineCore
 from tandem.engine.kv_connector import KVConnector

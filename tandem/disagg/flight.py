@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.disagg.registry import WorkerHandle
+from tandem.engine.core import EngineCoreOutput
 from tandem.engine.request import Request
 
 
@@ -26,6 +27,22 @@ class RouterSettings:
 
 class WorkerLost(Exception):
     pass
+
+
+def prefill_request(request: Request) -> Request:
+    """The prefill worker's copy: it computes the prompt and samples the first token, then stops
+    (the decode worker continues from that token), so min_tokens masks that token as it would."""
+    params = replace(request.sampling_params, max_tokens=1, min_tokens=min(request.sampling_params.min_tokens, 1))
+    return replace(request, sampling_params=params)
+
+
+def first_token_output(request: Request, first: EngineCoreOutput, max_model_len: int) -> EngineCoreOutput:
+    """The prefill worker ran the request with max_tokens 1, so its output always "finished"; the
+    request itself did only on a stop, at its own max_tokens, or at the context's end."""
+    params = request.sampling_params
+    ends = first.finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1) or \
+        request.num_tokens + 1 >= max_model_len
+    return first if ends else replace(first, finish_reason=None, finish_time=None)
 
 
 @dataclass
@@ -50,3 +67,4 @@ class RouterCounters:
     worker_deaths: int = 0
     disaggregated: int = 0
     colocated: int = 0
+    prefill_free: int = 0  # sent straight to a decode worker: the store held all of the prompt but its tail

@@ -46,8 +46,10 @@ class DisaggMetrics:
                                  "prefill/decode pair could take them (a failure, or a pool with no live worker).", r)
         self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
         self.restarts = counter("router_worker_restarts", "Dead local workers started again.", r)
+        self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
+                                    "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
-        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts):
+        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts, self.prefill_free):
             metric.labels(model_name)  # exported at zero from the start
 
     def _inc(self, counter: Counter, labels: tuple, value: float) -> None:
@@ -84,3 +86,4 @@ class DisaggMetrics:
         self._inc(self.fallbacks, (m,), c.fallbacks)
         self._inc(self.deaths, (m,), c.worker_deaths)
         self._inc(self.restarts, (m,), engine.restarter.count)
+        self._inc(self.prefill_free, (m,), c.prefill_free)

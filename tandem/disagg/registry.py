@@ -10,6 +10,7 @@ from typing import Protocol
 from tandem.disagg.worker import WorkerInfo, WorkerStats
 from tandem.engine.request import Request
 from tandem.serve.core_proc import CoreStats
+from tandem.serve.store_metrics import merge_tier_stats
 
 
 @dataclass
@@ -49,7 +50,8 @@ def combined_stats(workers: list[WorkerHandle]) -> CoreStats | None:
         sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
         used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
             "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
-        time.monotonic(), sum(s.prompt_busy_s for s in parts), sum(s.num_computed_prompt_tokens for s in parts))
+        time.monotonic(), sum(s.prompt_busy_s for s in parts), sum(s.num_computed_prompt_tokens for s in parts),
+        merge_tier_stats([s.kv_store for s in parts]))
 
 
 class WorkerSelector(Protocol):

@@ -28,10 +28,11 @@ import zmq.asyncio
 
 from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
-from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost
+from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost, first_token_output, prefill_request
 from tandem.disagg.metrics import DisaggMetrics
 from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector, combined_stats
 from tandem.disagg.restarts import Restarter
+from tandem.disagg.store_view import StoreView
 from tandem.disagg.transport import TransferHandle
 from tandem.disagg.worker import WorkerInfo
 from tandem.engine.core import EngineCoreOutput
@@ -42,13 +43,6 @@ from tandem.serve.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by the peer, so bound them
-
-
-def prefill_request(request: Request) -> Request:
-    """The prefill worker's copy: it computes the prompt and samples the first token, then stops
-    (the decode worker continues from that token), so min_tokens masks that token as it would."""
-    params = replace(request.sampling_params, max_tokens=1, min_tokens=min(request.sampling_params.min_tokens, 1))
-    return replace(request, sampling_params=params)
 
 
 class DisaggEngine(EngineClient):
@@ -77,6 +71,7 @@ class DisaggEngine(EngineClient):
         self.restarter = Restarter(getattr(launch, "start", None), settings.restart_backoff_s,
                                    settings.max_restart_backoff_s)
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
+        self.store: StoreView | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,6 +119,8 @@ class DisaggEngine(EngineClient):
                 await loop.run_in_executor(None, p.wait, 10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.store is not None:
+            self.store.close()
         secure.release(self._sock)
         self._sock.close(linger=0)
         self._ctx.term()
@@ -212,6 +209,7 @@ class DisaggEngine(EngineClient):
             self.info = info.core
             sched = self.config.scheduler
             self._make_inputs(sched.max_num_batched_tokens, sched.enable_chunked_prefill)
+            self.store = StoreView.open(self.config, info.core)
         log.warning("worker %s (%s, pid %d on %s, cores %s) joined", info.worker_id, info.role, info.pid, info.host,
                     info.cores)
 
@@ -274,6 +272,10 @@ class DisaggEngine(EngineClient):
     async def _route(self, flight: Flight) -> None:
         rid = flight.request.request_id
         try:
+            if self.store is not None and self.live("decode") and self.store.prefill_free(flight.request):
+                self.counters.prefill_free += 1
+                await self._run_colocated(flight, fallback=False)
+                return
             for attempt in range(self.settings.max_attempts):
                 if attempt:
                     self.counters.retries += 1
@@ -323,7 +325,7 @@ class DisaggEngine(EngineClient):
         generator_state = reply[3]
         self.counters.disaggregated += 1
         self._assign(flight, None, decode)
-        first = self._as_first_token(flight.request, first)
+        first = first_token_output(flight.request, first, self.info.max_model_len if self.info else 1 << 62)
         if first.finished:  # the first token ended it: the reservation is not needed
             await self._send(decode, "abort", [rid])
         else:
@@ -331,14 +333,6 @@ class DisaggEngine(EngineClient):
             await self._send(decode, "admit", rid, first.new_token_ids[0], generator_state)
         await self._deliver_outputs([first])
         return True
-
-    def _as_first_token(self, request: Request, first: EngineCoreOutput) -> EngineCoreOutput:
-        """The prefill worker ran the request with max_tokens 1, so it always "finished": it did
-        for the request itself only on a stop, at its own max_tokens, or at the context's end."""
-        params = request.sampling_params
-        ends = first.finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1) or \
-            (self.info is not None and request.num_tokens + 1 >= self.info.max_model_len)
-        return first if ends else replace(first, finish_reason=None, finish_time=None)
 
     async def _release(self, flight: Flight) -> None:
         """Undo a failed attempt before the next one (which reuses the request id)."""
@@ -363,12 +357,14 @@ class DisaggEngine(EngineClient):
         if decode is not None and decode is not prefill and decode.alive:
             await self._send(decode, "abort", [rid])
 
-    async def _run_colocated(self, flight: Flight) -> None:
+    async def _run_colocated(self, flight: Flight, fallback: bool = True) -> None:
+        """The whole request on one worker (a decode worker when there is one): a fallback, or a
+        prompt whose KV the worker loads from the store."""
         candidates = self.live("decode") or self.live()
         if not candidates:
             raise EngineDeadError("no live worker to serve the request")
         worker = min(candidates, key=lambda w: (w.load, w.worker_id))
-        self.counters.fallbacks += 1
+        self.counters.fallbacks += fallback
         self.counters.colocated += 1
         self._assign(flight, None, worker)
         flight.phase = "colocated"

@@ -265,6 +265,7 @@ class Worker:
 
     def close(self) -> None:
         self.abort(list(self.core.scheduler.requests))
+        self.core.close()
         self.sender.close()
         if self.receiver is not None:
             self.receiver.shutdown()

@@ -41,6 +41,13 @@ def salt_key(salt: str | None) -> tuple:
     return (int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little"),)
 
 
+def block_keys(token_ids: Sequence[int], block_size: int, algo: str, key_extra: tuple, salt: str | None) -> list[int]:
+    """The keys of token_ids' full blocks, as an engine keyed with key_extra computes them."""
+    keys: list[int] = []
+    extend_block_hashes(keys, token_ids, block_size, HASH_FUNCTIONS[algo], key_extra + salt_key(salt))
+    return keys
+
+
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, hash_fn: HashFn,
                         extra: tuple) -> None:
     """Append the hashes of every newly completed full block of token_ids to hashes."""

@@ -19,7 +19,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -47,6 +47,7 @@ class CoreStats:
     # queued prompts drain, decodes sharing the steps included (admission control divides them).
     prompt_busy_s: float = 0.0
     num_computed_prompt_tokens: int = 0
+    kv_store: dict = field(default_factory=dict)  # tier name -> TierStats (kv/store/tier.py)
 
 
 @dataclass
@@ -57,6 +58,12 @@ class CoreInfo:
     num_blocks: int
     model_name: str
     max_num_seqs: int = 1
+    # How this engine keys its blocks (kv/hashing.py), so a router can match them: the extra key
+    # (model fingerprint, block size), the block size, the hash and a block's bytes in a store.
+    block_key_extra: tuple = ()
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    block_nbytes: int = 0
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING",
@@ -87,7 +94,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         out.send_pyobj(("startup_failed", f"{type(e).__name__}: {e}"))
         out.close(linger=2000)
         os._exit(1)
-    _loop(core, inp, out, kv_pub)
+    try:
+        _loop(core, inp, out, kv_pub)
+    finally:
+        core.close()
     out.close(linger=1000)
     if kv_pub is not None:
         kv_pub.close(linger=0)
@@ -97,8 +107,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
 def core_info(core, loaded) -> CoreInfo:  # noqa: ANN001 (EngineCore, LoadedModel)
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    cache = core.config.cache
     return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
-                    core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs)
+                    core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
+                    cache.block_size, cache.prefix_caching_hash_algo,
+                    loaded.arch.kv_bytes_per_token(core.config.model.dtype.itemsize) * cache.block_size)
 
 
 def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
@@ -106,7 +119,8 @@ def core_stats(core) -> CoreStats:  # noqa: ANN001 (EngineCore)
     usage = core.scheduler.kv.usage()
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
-                     core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens)
+                     core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
+                     core.connector.stats().get("tiers", {}))
 
 
 def send_failures(outputs: list, send: Callable[[list[str], str], None]) -> list:

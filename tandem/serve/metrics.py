@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from tandem.serve.core_proc import CoreStats
+from tandem.serve.store_metrics import StoreMetrics
 
 disable_created_metrics()  # as vLLM does: the *_created series only add noise
 
@@ -58,6 +59,7 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self._last: CoreStats | None = None
+        self.store = StoreMetrics(r, model_name)
         self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
         # Export every series from the start (at zero) rather than only once it first moves.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
@@ -85,6 +87,7 @@ class ServerMetrics:
         ):
             if now > before:
                 metric.labels(m).inc(now - before)
+        self.store.observe(s.kv_store)
         self._last = s
 
     def observe_chunk(self, timer: RequestTimer, num_new_tokens: int) -> None:
