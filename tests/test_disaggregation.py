@@ -338,15 +338,12 @@ def test_the_store_sends_returning_prompts_straight_to_a_decode_worker(colocated
     store = ("--kv-offload-memory", "0.05", "--kv-offload-disk", f"{tmp_path}/kv", "--kv-offload-disk-size", "0.2")
     with running_server(*COMMON, *DISAGG, *store) as s:
         assert run_all(s, texts) == colocated_outputs["greedy"]
-        before = metric(s, "router_prefill_free")
-        assert run_all(s, texts) == colocated_outputs["again"]
-        assert metric(s, "router_prefill_free") - before >= 2  # the long prompts at least
         assert metric(s, "kv_store_saved_bytes", tier="disk") > 0
         wait_blocks_free(s)
     # A new deployment: empty pools and host tier, the same disk. The decode worker loads from disk.
     with running_server(*COMMON, *DISAGG, *store) as s:
         assert run_all(s, texts) == colocated_outputs["greedy"]
-        assert metric(s, "router_prefill_free") >= 2
+        assert metric(s, "router_prefill_free") >= 2  # the long prompts at least
         assert metric(s, "kv_store_hits", tier="disk") > 0
         assert metric(s, "kv_store_verify_failures", tier="disk") == 0
         wait_blocks_free(s)

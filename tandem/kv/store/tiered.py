@@ -6,6 +6,9 @@ and verifies; a hit in a lower tier is copied into the tiers above it, so it is 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,12 +33,17 @@ class StoreSettings:
 
 
 def open_tiers(settings: StoreSettings, block_nbytes: int, ident: str) -> list[KVTier]:
-    """The configured tiers for blocks of block_nbytes; ident names the host tier's default file."""
+    """The configured tiers for blocks of block_nbytes. Without a host tier path (an offline engine;
+    a server names one per deployment) the file is this process's own, named from ident, and
+    removed when the process exits."""
     tiers: list[KVTier] = []
     if settings.memory_gib > 0:
         from tandem.kv.store.host_tier import HostTier, default_shm_path
 
-        path = settings.memory_path or default_shm_path(ident)
+        path = settings.memory_path
+        if path is None:
+            path = default_shm_path(f"{ident}-{os.getpid()}")
+            atexit.register(_remove, path)
         tiers.append(HostTier(path, int(settings.memory_gib * GiB), block_nbytes, settings.ttl_s))
     if settings.disk_dir is not None:
         from tandem.kv.store.disk_tier import DiskTier
@@ -46,6 +54,11 @@ def open_tiers(settings: StoreSettings, block_nbytes: int, ident: str) -> list[K
 
         tiers.append(MooncakeTier(settings.remote, block_nbytes, ttl_s=settings.ttl_s))
     return tiers
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @dataclass
