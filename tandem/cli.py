@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               metrics_require_api_key=args.metrics_require_api_key)
     tokenizer = load_tokenizer(args.model)
     engine = None
-    if args.prefill_workers or args.decode_workers or args.router_bind:
+    if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:
         engine = _disaggregated_engine(args, config, tokenizer)
     app = build_app(config, settings, tokenizer, engine)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
@@ -172,18 +172,22 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
     from tandem.disagg.flight import RouterSettings
     from tandem.disagg.launch import local_launcher
     from tandem.disagg.router import DisaggEngine
+    from tandem.disagg.routing import RoutingSettings
     from tandem.disagg.wire import SECRET_ENV, new_secret
 
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
     launch = None
-    if args.prefill_workers or args.decode_workers:
+    num_local = args.prefill_workers + args.decode_workers + args.workers
+    if num_local:
         role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
-                                role_argv, args.kv_transport, secret, args.log_level.upper())
+                                role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
+    routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
+                              args.routing_guard_ratio)
     settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
-                              expected_workers=args.prefill_workers + args.decode_workers,
-                              heartbeat_timeout=args.worker_heartbeat_timeout)
-    return DisaggEngine(config, tokenizer, settings, launch=launch)
+                              expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout,
+                              max_local_prefill_tokens=args.max_local_prefill_tokens)
+    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -260,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     dis = srv.add_argument_group("disaggregation (a router in front of prefill and decode workers)")
     dis.add_argument("--prefill-workers", type=int, default=0, help="prefill workers to start on this host")
     dis.add_argument("--decode-workers", type=int, default=0, help="decode workers to start on this host")
+    dis.add_argument("--workers", type=int, default=0,
+                     help="colocated (full) workers to start on this host: data parallel behind the router, "
+                     "alone or next to prefill/decode workers")
     dis.add_argument("--worker-cores", nargs="+", default=None, metavar="CORES",
-                     help="cores of each local worker, prefill workers first (e.g. 0 1, or 0-1 2-3); "
-                     "default one core each, round-robin")
+                     help="cores of each local worker, prefill workers first, then decode, then colocated "
+                     "(e.g. 0 1, or 0-1 2-3); default one core each, round-robin")
     dis.add_argument("--prefill-worker-args", default="", metavar="FLAGS",
                      help="engine flags for prefill workers only, e.g. \"--max-num-batched-tokens 4096\"")
     dis.add_argument("--decode-worker-args", default="", metavar="FLAGS",
@@ -274,11 +281,22 @@ def main(argv: list[str] | None = None) -> int:
                      "they need the same $TANDEM_DISAGG_SECRET)")
     dis.add_argument("--worker-heartbeat-timeout", type=float, default=5.0,
                      help="seconds of silence before a worker is declared dead")
+    rt = srv.add_argument_group("routing (which worker a request goes to)")
+    rt.add_argument("--routing-policy", default="kv", choices=["kv", "least-loaded", "round-robin"],
+                    help="kv: the worker where the prompt's prefix is cached, weighed against its load")
+    rt.add_argument("--routing-overlap-weight", type=float, default=1.0,
+                    help="kv: what one block still to prefill costs, in blocks of decode load")
+    rt.add_argument("--routing-temperature", type=float, default=0.0, help="kv: > 0 draws from a softmax of the costs")
+    rt.add_argument("--routing-guard-ratio", type=float, default=1.5,
+                    help="kv: a worker serving more than this times the mean requests (+1) gets no more")
+    rt.add_argument("--max-local-prefill-tokens", type=int, default=0,
+                    help="a request with at most this many tokens left to prefill runs on one worker (a "
+                    "colocated or decode worker) with no transfer (0: every prompt goes to a prefill worker)")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="a prefill or decode worker that joins a router (tandem serve)")
     add_engine_args(wrk)
-    wrk.add_argument("--role", required=True, choices=["prefill", "decode"])
+    wrk.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     wrk.add_argument("--router", required=True, help="the router's worker address, e.g. tcp://10.0.0.1:5600")
     wrk.add_argument("--worker-id", default=None)
     wrk.add_argument("--cores", default=None, help="pin to these cores (e.g. 0 or 0-3); threads follow")

@@ -161,7 +161,7 @@ class KVRecvConnector(KVConnector):
         self._arrived = {}
         return FinishedTransfers(loads)
 
-    def on_load_finished(self, request: Request) -> None:
+    def on_load_finished(self, request: Request, num_loaded_tokens: int) -> None:
         token, generator_state = self._landed.pop(request.request_id)
         request.append_output_token(token)
         request.first_token_time = time.monotonic()

@@ -20,6 +20,9 @@ class RouterSettings:
     reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
     prefill_timeout: float = 300.0
     max_attempts: int = 2  # disaggregated tries before running the request colocated
+    # A request with at most this many tokens left to prefill (past its best cached overlap) runs on
+    # one worker, with no transfer; 0: only when no prefill/decode pair is available.
+    max_local_prefill_tokens: int = 0
     # A dead local worker is started again after restart_backoff_s, doubling per quick death, up to the max.
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
@@ -54,6 +57,8 @@ class Flight:
     streamed: bool = False
     reply: asyncio.Future | None = None
     task: asyncio.Task | None = None
+    keys: list[int] = field(default_factory=list)  # the prompt's full-block keys, as the workers key them
+    num_blocks: int = 0  # the prompt's blocks, the partial last one included
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.prefill, self.decode) if w is not None]
@@ -68,3 +73,11 @@ class RouterCounters:
     disaggregated: int = 0
     colocated: int = 0
     prefill_free: int = 0  # sent straight to a decode worker: the store held all of the prompt but its tail
+    routed: dict[str, int] = field(default_factory=dict)  # path (disaggregated, colocated, ...) -> requests
+    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> cached blocks of routed prompts
+    prompt_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> full blocks of routed prompts
+
+    def count_route(self, path: str, worker_id: str, overlap: int, num_blocks: int) -> None:
+        self.routed[path] = self.routed.get(path, 0) + 1
+        self.overlap_blocks[worker_id] = self.overlap_blocks.get(worker_id, 0) + overlap
+        self.prompt_blocks[worker_id] = self.prompt_blocks.get(worker_id, 0) + num_blocks

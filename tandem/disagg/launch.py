@@ -60,11 +60,11 @@ class LocalLauncher:
 
 
 def local_launcher(num_prefill: int, num_decode: int, core_specs: list[str] | None, engine_argv: list[str],
-                   role_argv: dict[str, list[str]], kv_transport: str, secret: bytes, log_level: str
-                   ) -> LocalLauncher:
-    roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+                   role_argv: dict[str, list[str]], kv_transport: str, secret: bytes, log_level: str,
+                   num_colocated: int = 0) -> LocalLauncher:
+    roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
     cores = assign_cores(len(roles), core_specs)
-    counts = {"prefill": 0, "decode": 0}
+    counts = {"prefill": 0, "decode": 0, "colocated": 0}
     workers = {}
     for role, core_set in zip(roles, cores, strict=True):
         workers[f"{role}-{counts[role]}"] = (role, core_set)

@@ -46,6 +46,13 @@ class DisaggMetrics:
                                  "prefill/decode pair could take them (a failure, or a pool with no live worker).", r)
         self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
         self.restarts = counter("router_worker_restarts", "Dead local workers started again.", r)
+        self.routed = counter("router_routed", "Requests routed, by path (disaggregated, colocated, prefill-free).",
+                              r + ["path"])
+        self.overlap = counter("router_routed_overlap_blocks", "Of the routed prompts' full blocks, those the "
+                               "router found cached on the worker it chose (divide by prompt blocks: hit rate).",
+                               r + ["worker_id"])
+        self.prompt_blocks = counter("router_routed_prompt_blocks", "Full blocks of the prompts routed to a worker.",
+                                     r + ["worker_id"])
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
@@ -56,8 +63,9 @@ class DisaggMetrics:
         """Counters mirror running totals reported elsewhere: add what is new since the last look."""
         key = (id(counter), *labels)
         delta = value - self._last.get(key, 0.0)
+        series = counter.labels(*labels)  # exported from the first report, at zero
         if delta > 0:
-            counter.labels(*labels).inc(delta)
+            series.inc(delta)
         self._last[key] = value
 
     def collect(self, engine: DisaggEngine) -> None:
@@ -87,3 +95,8 @@ class DisaggMetrics:
         self._inc(self.deaths, (m,), c.worker_deaths)
         self._inc(self.restarts, (m,), engine.restarter.count)
         self._inc(self.prefill_free, (m,), c.prefill_free)
+        for path, n in c.routed.items():
+            self._inc(self.routed, (m, path), n)
+        for wid, n in c.prompt_blocks.items():
+            self._inc(self.prompt_blocks, (m, wid), n)
+            self._inc(self.overlap, (m, wid), c.overlap_blocks.get(wid, 0))

@@ -1,14 +1,12 @@
-"""The router's view of its workers: what it knows of each, and how it picks a pair for a request."""
+"""The router's view of its workers: what it knows of each, and their engine stats summed."""
 
 from __future__ import annotations
 
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from tandem.disagg.worker import WorkerInfo, WorkerStats
-from tandem.engine.request import Request
 from tandem.serve.core_proc import CoreStats
 from tandem.serve.store_metrics import merge_tier_stats
 
@@ -52,19 +50,3 @@ def combined_stats(workers: list[WorkerHandle]) -> CoreStats | None:
             "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
         time.monotonic(), sum(s.prompt_busy_s for s in parts), sum(s.num_computed_prompt_tokens for s in parts),
         merge_tier_stats([s.kv_store for s in parts]))
-
-
-class WorkerSelector(Protocol):
-    def choose(self, request: Request, prefill: list[WorkerHandle], decode: list[WorkerHandle]
-               ) -> tuple[WorkerHandle | None, WorkerHandle | None]: ...
-
-
-class LeastLoaded:
-    """Fewest requests in flight on each side. Prefix-aware routing replaces this, same signature."""
-
-    def choose(self, request: Request, prefill: list[WorkerHandle], decode: list[WorkerHandle]
-               ) -> tuple[WorkerHandle | None, WorkerHandle | None]:
-        def pick(ws: list[WorkerHandle]) -> WorkerHandle | None:
-            return min(ws, key=lambda w: (w.load, w.worker_id)) if ws else None
-
-        return pick(prefill), pick(decode)

@@ -1,7 +1,9 @@
 """The router: the disaggregated deployment's engine client, behind the same HTTP API.
 
 Per engine request (a child, when n > 1) a routing task runs the flow:
-  1. pick a prefill and a decode worker (a WorkerSelector; least loaded for now);
+  0. a prompt the KV store holds goes whole to a decode worker, and one with little left to prefill
+     (or any, when there are only colocated workers) goes whole to one worker: routing.py picks it;
+  1. pick a prefill and a decode worker (routing.py: where the prefix is cached, against the load);
   2. ask the decode worker to reserve blocks for the prompt -> a TransferHandle (retried while it
      has no room, up to reserve_timeout);
   3. send the request to the prefill worker with the handle; it computes the prompt, ships the KV
@@ -30,13 +32,16 @@ from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
 from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost, first_token_output, prefill_request
 from tandem.disagg.metrics import DisaggMetrics
-from tandem.disagg.registry import LeastLoaded, WorkerHandle, WorkerSelector, combined_stats
+from tandem.disagg.prefix_index import PrefixIndex
+from tandem.disagg.registry import WorkerHandle, combined_stats
 from tandem.disagg.restarts import Restarter
+from tandem.disagg.routing import Pick, Router, RoutingSettings
 from tandem.disagg.store_view import StoreView
 from tandem.disagg.transport import TransferHandle
 from tandem.disagg.worker import WorkerInfo
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.request import Request
+from tandem.kv.hashing import block_keys
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
 from tandem.serve.metrics import ServerMetrics
 
@@ -47,12 +52,14 @@ REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by
 
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
-                 selector: WorkerSelector | None = None,
-                 launch: Any = None) -> None:  # callable(router_address) -> list[Popen] for local workers
+                 launch: Any = None,  # callable(router_address) -> list[Popen] for local workers
+                 routing: RoutingSettings | None = None) -> None:
         super().__init__(tokenizer)
         self.config = config
         self.settings = settings
-        self.selector = selector or LeastLoaded()
+        routing = routing or RoutingSettings()
+        self.index = PrefixIndex(routing.predict_ttl_s)
+        self.router = Router(routing, self.index, self._active_blocks)
         self.launch = launch
         self.workers: dict[bytes, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}
@@ -181,6 +188,8 @@ class DisaggEngine(EngineClient):
             self._refresh_stats()
             if outputs:
                 await self._deliver_outputs(outputs)
+        elif kind == "kv_events":
+            self.index.apply(worker.worker_id, msg[1])
         elif kind in ("reserved", "reserve_failed", "prefilled", "transfer_failed"):
             flight = self.flights.get(msg[1])
             if flight is not None and flight.reply is not None and not flight.reply.done():
@@ -201,6 +210,7 @@ class DisaggEngine(EngineClient):
             old.info = info
             return
         worker = WorkerHandle(info, ident)
+        self.index.forget(info.worker_id)  # a new or restarted worker: its pool is empty
         for p in self._procs:
             if p.pid == info.pid:
                 worker.proc = p
@@ -269,26 +279,61 @@ class DisaggEngine(EngineClient):
         finally:
             flight.reply = None
 
+    def _active_blocks(self, worker: WorkerHandle) -> int:
+        """The KV blocks of the requests the worker is serving: its decode load, as the router sees it."""
+        bs = self.info.block_size if self.info is not None else 16
+        return sum(-(-self.flights[r].request.num_tokens // bs) for r in worker.inflight if r in self.flights)
+
+    def _pick(self, flight: Flight, workers: list[WorkerHandle], path: str) -> Pick | None:
+        pick = self.router.pick(flight.keys, flight.num_blocks, workers)
+        if pick is not None:
+            self.router.routed(pick, flight.keys)
+            self.counters.count_route(path, pick.worker.worker_id, pick.overlap_blocks, len(flight.keys))
+        return pick
+
+    def _runs_whole(self, flight: Flight) -> list[WorkerHandle]:
+        """The workers to run this request on whole (no transfer), or [] to disaggregate it."""
+        colocated, decode = self.live("colocated"), self.live("decode")
+        if not (self.live("prefill") and decode):
+            return colocated  # no pair: colocated workers (or, if none, the fallback below)
+        limit = self.settings.max_local_prefill_tokens
+        candidates = colocated or decode
+        if limit <= 0 or not candidates:
+            return []
+        bs = self.info.block_size if self.info is not None else 16
+        best = max(self.index.overlap(w.worker_id, flight.keys) for w in candidates)
+        return candidates if flight.request.num_prompt_tokens - best * bs <= limit else []
+
     async def _route(self, flight: Flight) -> None:
         rid = flight.request.request_id
         try:
+            if self.info is not None and not flight.keys:
+                flight.keys = block_keys(flight.request.prompt_token_ids, self.info.block_size, self.info.hash_algo,
+                                         self.info.block_key_extra, flight.request.cache_salt)
+                flight.num_blocks = -(-flight.request.num_prompt_tokens // self.info.block_size)
             if self.store is not None and self.live("decode") and self.store.prefill_free(flight.request):
                 self.counters.prefill_free += 1
-                await self._run_colocated(flight, fallback=False)
+                await self._run_colocated(flight, self._pick(flight, self.live("decode"), "prefill-free"))
+                return
+            whole = self._runs_whole(flight)
+            if whole:
+                await self._run_colocated(flight, self._pick(flight, whole, "colocated"))
                 return
             for attempt in range(self.settings.max_attempts):
                 if attempt:
                     self.counters.retries += 1
-                prefill, decode = self.selector.choose(flight.request, self.live("prefill"), self.live("decode"))
+                prefill = self._pick(flight, self.live("prefill"), "disaggregated")
+                decode = self.router.pick(flight.keys, flight.num_blocks, self.live("decode"))
                 if prefill is None or decode is None:
                     break
+                self.router.routed(decode, flight.keys)
                 try:
-                    if await self._run_disaggregated(flight, prefill, decode):
+                    if await self._run_disaggregated(flight, prefill.worker, decode.worker):
                         return
                 except (WorkerLost, TimeoutError) as e:
                     log.warning("request %s: %s; retrying", rid, e or type(e).__name__)
                 await self._release(flight)
-            await self._run_colocated(flight)
+            await self._run_colocated(flight, fallback=True)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -357,13 +402,16 @@ class DisaggEngine(EngineClient):
         if decode is not None and decode is not prefill and decode.alive:
             await self._send(decode, "abort", [rid])
 
-    async def _run_colocated(self, flight: Flight, fallback: bool = True) -> None:
-        """The whole request on one worker (a decode worker when there is one): a fallback, or a
-        prompt whose KV the worker loads from the store."""
-        candidates = self.live("decode") or self.live()
-        if not candidates:
-            raise EngineDeadError("no live worker to serve the request")
-        worker = min(candidates, key=lambda w: (w.load, w.worker_id))
+    async def _run_colocated(self, flight: Flight, pick: Pick | None = None, fallback: bool = False) -> None:
+        """The whole request on one worker: the one picked (a colocated worker; a decode worker that
+        loads the prompt from the store or prefills a short one), or, as a fallback when no pair can
+        take it, the least-loaded decode (else any) worker."""
+        worker = pick.worker if pick is not None else None
+        if worker is None:
+            candidates = self.live("colocated") or self.live("decode") or self.live()
+            if not candidates:
+                raise EngineDeadError("no live worker to serve the request")
+            worker = min(candidates, key=lambda w: (w.load, w.worker_id))
         self.counters.fallbacks += fallback
         self.counters.colocated += 1
         self._assign(flight, None, worker)
@@ -398,6 +446,7 @@ class DisaggEngine(EngineClient):
     async def _on_worker_death(self, worker: WorkerHandle, reason: str) -> None:
         log.error("%s; serving on with the rest", reason)
         worker.alive = False
+        self.index.forget(worker.worker_id)
         self.counters.worker_deaths += 1
         for rid in list(worker.inflight):
             flight = self.flights.get(rid)

@@ -12,7 +12,7 @@ Router -> worker (signed, see wire.py):
   ("add", [Request]) ("abort", [request_id]) ("reserve", Request) ("prefill", Request, TransferHandle)
   ("admit", request_id, first_token, generator_state) ("forget", kv_address) ("shutdown",) ("hello",)
 Worker -> router:
-  ("register", WorkerInfo) ("outputs", [EngineCoreOutput], WorkerStats)
+  ("register", WorkerInfo) ("outputs", [EngineCoreOutput], WorkerStats) ("kv_events", [BlockStored | BlockRemoved])
   ("reserved", request_id, TransferHandle) ("reserve_failed", request_id, reason)
   ("prefilled", request_id, EngineCoreOutput, generator_state, TransferResult | None)
   ("transfer_failed", request_id, reason) ("failed", [request_id], reason) ("aborted", [request_id])
@@ -91,6 +91,7 @@ class Worker:
         if role == "decode":
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
             connector = self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
+        config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_model(config.model.model, config.model.dtype, config.model.device)
         self.core = EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None, connector)
         self.info = core_info(self.core, loaded)
@@ -206,6 +207,9 @@ class Worker:
             state = request.generator.get_state() if request.generator is not None else None
             self.landing[out.request_id] = (out, state)
         self.report_reservations()
+        events = self.core.scheduler.kv.pool.take_events()
+        if events:
+            self.send("kv_events", events)
         if plain or not outputs:
             self.send("outputs", plain, self.stats())
 

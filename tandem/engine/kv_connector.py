@@ -66,7 +66,7 @@ class KVConnector:
     def take_finished(self) -> FinishedTransfers:
         return FinishedTransfers()
 
-    def on_load_finished(self, request: Request) -> None:
+    def on_load_finished(self, request: Request, num_loaded_tokens: int) -> None:
         pass
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
@@ -140,10 +140,10 @@ class MultiConnector(KVConnector):
             out.update(c.take_finished())
         return out
 
-    def on_load_finished(self, request: Request) -> None:
+    def on_load_finished(self, request: Request, num_loaded_tokens: int) -> None:
         owner = self._owner.pop(request.request_id, None)
         if owner is not None:
-            owner.on_load_finished(request)
+            owner.on_load_finished(request, num_loaded_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         self._owner.pop(request.request_id, None)

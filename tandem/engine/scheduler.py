@@ -163,7 +163,7 @@ class Scheduler:
             request.num_computed_tokens += num_loaded
             # Blocks past what landed (a load cut short) are computed here like any other.
             self.kv.cache_blocks(request, request.num_computed_tokens)
-            self.connector.on_load_finished(request)
+            self.connector.on_load_finished(request, num_loaded)
             request.status = RequestStatus.WAITING
             self._ready.append(request)
         for rid in finished.released:

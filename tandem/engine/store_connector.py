@@ -31,6 +31,8 @@ from tandem.kv.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # numpy has no bfloat16
+
 
 @dataclass
 class _Load:
@@ -61,8 +63,8 @@ class StoreConnector(KVConnector):
         self._plan: list[tuple[list[int], list[int]]] | None = None
         self._loads: dict[str, _Load] = {}
         self._loaded: dict[str, int] = {}  # finished, not yet taken: request id -> tokens
-        self._taken: dict[str, int] = {}  # taken by the scheduler, not yet applied to the request
         self._released: set[str] = set()
+        self._drops = 0
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._load_queue: queue.Queue[_Load | None] = queue.Queue()
@@ -91,18 +93,15 @@ class StoreConnector(KVConnector):
         with self._lock:
             loaded, self._loaded = self._loaded, {}
             released, self._released = self._released, set()
-        self._taken.update(loaded)
         return FinishedTransfers(loaded, released)
 
-    def on_load_finished(self, request: Request) -> None:
-        loaded = self._taken.pop(request.request_id, 0)
+    def on_load_finished(self, request: Request, num_loaded_tokens: int) -> None:
         if request.num_preemptions == 0:
-            request.num_cached_tokens += loaded  # to the user, a store hit is a cached token too
-        self.counters.loaded_tokens += loaded
+            request.num_cached_tokens += num_loaded_tokens  # to the user, a store hit is a cached token too
+        self.counters.loaded_tokens += num_loaded_tokens
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         self._saved.pop(request.request_id, None)
-        self._taken.pop(request.request_id, None)
         with self._lock:
             load = self._loads.get(request.request_id)
             if load is None:
@@ -142,6 +141,11 @@ class StoreConnector(KVConnector):
         self._kv = kv_caches
         layers, two, _, block_size, heads, dim = kv_caches.shape
         self._block_shape = (layers, two, block_size, heads, dim)
+        # The loader writes a CPU pool through numpy: a plain memcpy on its own thread, where a torch
+        # copy would start an OpenMP team that fights the engine's spinning threads for the cores.
+        self._kv_np: np.ndarray | None = None
+        if kv_caches.device.type == "cpu":
+            self._kv_np = kv_caches.view(_INT_OF_SIZE[kv_caches.element_size()]).numpy()
         nbytes = layers * two * block_size * heads * dim * kv_caches.element_size()
         if nbytes != self.store.block_nbytes:
             raise ValueError(f"the store holds blocks of {self.store.block_nbytes} bytes; this pool's are {nbytes}")
@@ -159,8 +163,12 @@ class StoreConnector(KVConnector):
             blocks = self._kv.index_select(2, ids).movedim(2, 0).contiguous().cpu()  # [n, layers, 2, ...]
             try:
                 self._save_queue.put_nowait((keys, blocks))
-            except queue.Full:
+            except queue.Full:  # the store is a cache: these blocks are recomputed if they are needed again
                 self.counters.dropped_saves += len(keys)
+                self._drops += 1
+                if self._drops & (self._drops - 1) == 0:  # the 1st, 2nd, 4th... time
+                    log.warning("the KV store's saver is behind: %d blocks not saved so far",
+                                self.counters.dropped_saves)
 
     def _run_saves(self) -> None:
         while (job := self._save_queue.get()) is not None:
@@ -206,8 +214,11 @@ class StoreConnector(KVConnector):
                 self.counters.verify_failures_seen += 1
                 return n  # it vanished or did not verify: the rest is computed
             self.counters.tier_hits[tier] = self.counters.tier_hits.get(tier, 0) + 1
-            block = torch.from_numpy(staging).view(self._kv.dtype).view(self._block_shape)
-            self._kv[:, :, block_id].copy_(block)
+            if self._kv_np is not None:
+                np.copyto(self._kv_np[:, :, block_id], staging.view(self._kv_np.dtype).reshape(self._block_shape))
+            else:
+                block = torch.from_numpy(staging).view(self._kv.dtype).view(self._block_shape)
+                self._kv[:, :, block_id].copy_(block)
         return len(load.keys)
 
     def stats(self) -> dict[str, Any]:

@@ -134,6 +134,7 @@ def send_failures(outputs: list, send: Callable[[list[str], str], None]) -> list
 
 def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> None:  # noqa: ANN001
     seq = 0
+    last_stats = 0.0
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:
@@ -164,7 +165,11 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, kv_pub: zmq.Socket | None) -> 
             out.send_pyobj(("failed", failed, f"engine error: {type(e).__name__}: {e}"))
             continue
         outputs = send_failures(outputs, lambda ids, message: out.send_pyobj(("failed", ids, message)))
-        out.send_pyobj(("outputs", outputs, core_stats(core)))
+        now = time.monotonic()
+        # An empty step (waiting for KV to load) reports no more often than an idle heartbeat.
+        if outputs or now - last_stats >= IDLE_POLL_MS / 1000:
+            out.send_pyobj(("outputs", outputs, core_stats(core)))
+            last_stats = now
         if kv_pub is not None:
             changes = core.scheduler.kv.pool.take_events()
             if changes:  # PUB drops when nobody listens: publishing never blocks a step

@@ -1,0 +1,67 @@
+"""KV-aware routing end to end: a router in front of two colocated workers (real processes).
+
+A prompt that shares a long prefix with an earlier one goes to the worker that cached it; a worker
+that restarts empty no longer attracts its old prefixes; greedy outputs equal the offline engine's
+whichever worker serves them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import Server, running_server
+from test_disaggregation import metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
+
+from tandem import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "128",
+        "--workers", "2", "--worker-cores", "0", "1", "--worker-heartbeat-timeout", "3")
+
+
+def routed(s: Server) -> dict[str, tuple[float, float]]:
+    """worker id -> (overlap blocks, prompt blocks) the router recorded for what it sent there."""
+    return {w: (metric_or_zero(s, "router_routed_overlap_blocks", worker_id=w),
+                metric_or_zero(s, "router_routed_prompt_blocks", worker_id=w)) for w in ("colocated-0", "colocated-1")}
+
+
+def delta(after: dict, before: dict) -> dict[str, tuple[float, float]]:
+    return {w: (after[w][0] - before[w][0], after[w][1] - before[w][1]) for w in after}
+
+
+def test_shared_prefixes_go_where_they_are_cached(passages: list[str], llm_fp32) -> None:  # noqa: ANN001
+    doc = " ".join(passages)[:1500]
+    texts = [doc + " Summarise it.", doc + " Name its main topic.", "Hello there"]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm_fp32.generate(texts, greedy)]
+    with running_server(*ARGS) as s:
+        assert run_all(s, texts[:1], max_tokens=12) == expected[:1]
+        first = routed(s)
+        holder = max(first, key=lambda w: first[w][1])
+        time.sleep(0.5)  # its KV events reach the router
+        assert run_all(s, texts[1:2], max_tokens=12) == expected[1:2]
+        second = delta(routed(s), first)
+        overlap, blocks = second[holder]
+        assert blocks > 0 and overlap >= blocks - 2  # all of the shared document's blocks
+        assert all(v == (0, 0) for w, v in second.items() if w != holder)
+        assert run_all(s, texts, max_tokens=12) == expected  # whichever worker serves them
+        assert metric(s, "router_routed", path="colocated") == 5
+        # The holder restarts with an empty pool: the router must not credit it with the document.
+        os.kill(worker_pid(s, holder), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while metric(s, "router_worker_restarts") < 1 or httpx.get(f"{s.url}/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the worker did not come back"
+            time.sleep(0.5)
+        others = [w for w in first if w != holder]
+        before = routed(s)
+        # Whoever gets it now, the restarted worker is not credited with the document.
+        assert run_all(s, texts[:1], max_tokens=12) == expected[:1]
+        after = delta(routed(s), before)
+        assert after[holder][0] == 0
+        assert sum(after[w][1] for w in [holder, *others]) > 0
+        wait_blocks_free(s)
