@@ -34,7 +34,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from server_process import RunFailed, free_port, stop_server, tandem_exe, wait_healthy
+from server_process import RunFailed, bench_serve, free_port, stop_server, tandem_exe, wait_healthy
 
 from tandem.bench.metrics import meets_slos
 from tandem.bench.report import load_records, result_paths
@@ -113,20 +113,6 @@ class Row:
     itl_p99_ms: float
     short_itl_p99_ms: float | None  # the stall disaggregation should remove: short decodes behind long prefills
     output_throughput: float
-
-
-def bench_serve(flags: list[str], client_log: Path, progress: Progress, label: str) -> None:
-    """One `tandem bench serve`; its console report goes to the client log."""
-    task = progress.add_task(label, total=None)
-    try:
-        with client_log.open("a") as f:
-            f.write(f"\n$ {shlex.join(flags)}\n")
-            f.flush()
-            rc = subprocess.run(flags, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-        if rc != 0:
-            raise RunFailed(f"{label}: `tandem bench serve` exited with {rc}", client_log)
-    finally:
-        progress.remove_task(task)
 
 
 def run_config(name: str, args: argparse.Namespace, rates: list[float], num_prompts: int, mix: Mix,

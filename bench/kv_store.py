@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from server_process import RunFailed, free_port, stop_server, tandem_exe, wait_healthy
+from server_process import RunFailed, bench_serve, free_port, stop_server, tandem_exe, wait_healthy
 
 from tandem.bench.client import EndpointConfig, RequestRecord, send_request
 from tandem.bench.report import load_records, result_paths
@@ -280,20 +280,6 @@ async def timed(http: httpx.AsyncClient, cfg: EndpointConfig, prompt: str, out_l
     if not record.success:
         raise RuntimeError(f"request failed: {record.error}")
     return record
-
-
-def bench_serve(flags: list[str], client_log: Path, progress: Progress, label: str) -> None:
-    """One `tandem bench serve`; its console report goes to the client log."""
-    task = progress.add_task(label, total=None)
-    try:
-        with client_log.open("a") as f:
-            f.write(f"\n$ {shlex.join(flags)}\n")
-            f.flush()
-            rc = subprocess.run(flags, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-        if rc != 0:
-            raise RunFailed(f"{label}: `tandem bench serve` exited with {rc}", client_log)
-    finally:
-        progress.remove_task(task)
 
 
 def pct(values: list[float], q: float) -> float | None:

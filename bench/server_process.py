@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -96,3 +97,17 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def bench_serve(flags: list[str], client_log: Path, progress: Progress, label: str) -> None:
+    """One `tandem bench serve`; its console report goes to the client log."""
+    task = progress.add_task(label, total=None)
+    try:
+        with client_log.open("a") as f:
+            f.write(f"\n$ {shlex.join(flags)}\n")
+            f.flush()
+            rc = subprocess.run(flags, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        if rc != 0:
+            raise RunFailed(f"{label}: `tandem bench serve` exited with {rc}", client_log)
+    finally:
+        progress.remove_task(task)
