@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa: ANN001, ANN202
     from tandem.disagg.flight import RouterSettings
     from tandem.disagg.launch import local_launcher
+    from tandem.disagg.planner import PlannerSettings
     from tandem.disagg.router import DisaggEngine
     from tandem.disagg.routing import RoutingSettings
     from tandem.disagg.wire import SECRET_ENV, new_secret
@@ -184,10 +185,12 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
                               args.routing_guard_ratio)
+    planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
+                              args.planner_interval, dwell_s=args.planner_dwell)
     settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
                               expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout,
                               max_local_prefill_tokens=args.max_local_prefill_tokens)
-    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing)
+    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -292,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     rt.add_argument("--max-local-prefill-tokens", type=int, default=0,
                     help="a request with at most this many tokens left to prefill runs on one worker (a "
                     "colocated or decode worker) with no transfer (0: every prompt goes to a prefill worker)")
+    pl = srv.add_argument_group("SLO planner (moves local workers between the prefill and decode pools)")
+    pl.add_argument("--planner", default="off", choices=["on", "off"])
+    pl.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="the prefill pool's SLO: p90 TTFT")
+    pl.add_argument("--slo-tpot-ms", type=float, default=200.0, help="the decode pool's SLO: p90 TPOT")
+    pl.add_argument("--planner-interval", type=float, default=5.0, help="seconds between the planner's decisions")
+    pl.add_argument("--planner-dwell", type=float, default=120.0, help="seconds after an action before the next")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="a prefill or decode worker that joins a router (tandem serve)")

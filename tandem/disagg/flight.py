@@ -59,6 +59,8 @@ class Flight:
     task: asyncio.Task | None = None
     keys: list[int] = field(default_factory=list)  # the prompt's full-block keys, as the workers key them
     num_blocks: int = 0  # the prompt's blocks, the partial last one included
+    first_token_at: float | None = None  # what the planner measures
+    num_output_tokens: int = 0
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.prefill, self.decode) if w is not None]

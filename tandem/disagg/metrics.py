@@ -53,6 +53,8 @@ class DisaggMetrics:
                                r + ["worker_id"])
         self.prompt_blocks = counter("router_routed_prompt_blocks", "Full blocks of the prompts routed to a worker.",
                                      r + ["worker_id"])
+        self.planner_flips = counter("router_planner_flips", "Workers the SLO planner moved from one pool to "
+                                     "another.", r + ["from_role", "to_role"])
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
@@ -95,6 +97,9 @@ class DisaggMetrics:
         self._inc(self.deaths, (m,), c.worker_deaths)
         self._inc(self.restarts, (m,), engine.restarter.count)
         self._inc(self.prefill_free, (m,), c.prefill_free)
+        if engine.planning is not None:
+            for (src, dst), n in engine.planning.flips.items():
+                self._inc(self.planner_flips, (m, src, dst), n)
         for path, n in c.routed.items():
             self._inc(self.routed, (m, path), n)
         for wid, n in c.prompt_blocks.items():

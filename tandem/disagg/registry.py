@@ -21,6 +21,7 @@ class WorkerHandle:
     inflight: set[str] = field(default_factory=set)
     proc: subprocess.Popen | None = None
     joined: float = field(default_factory=time.monotonic)
+    draining: bool = False  # the planner is taking it out of its pool: no new requests
 
     @property
     def worker_id(self) -> str:

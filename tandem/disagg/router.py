@@ -32,6 +32,8 @@ from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
 from tandem.disagg.flight import Flight, RouterCounters, RouterSettings, WorkerLost, first_token_output, prefill_request
 from tandem.disagg.metrics import DisaggMetrics
+from tandem.disagg.planner import PlannerSettings
+from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.registry import WorkerHandle, combined_stats
 from tandem.disagg.restarts import Restarter
@@ -53,13 +55,14 @@ REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
                  launch: Any = None,  # callable(router_address) -> list[Popen] for local workers
-                 routing: RoutingSettings | None = None) -> None:
+                 routing: RoutingSettings | None = None, planner: PlannerSettings | None = None) -> None:
         super().__init__(tokenizer)
         self.config = config
         self.settings = settings
         routing = routing or RoutingSettings()
         self.index = PrefixIndex(routing.predict_ttl_s)
         self.router = Router(routing, self.index, self._active_blocks)
+        self.planning = PlannerLoop(self, planner) if planner is not None and planner.enabled else None
         self.launch = launch
         self.workers: dict[bytes, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}
@@ -93,6 +96,8 @@ class DisaggEngine(EngineClient):
         if self.launch is not None:
             self._procs = list(self.launch(self.address))
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        if self.planning is not None:
+            self._tasks.append(asyncio.create_task(self.planning.run()))
         try:
             await self._wait_for_workers()
         except BaseException:
@@ -148,6 +153,10 @@ class DisaggEngine(EngineClient):
     def live(self, role: str | None = None) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
 
+    def routable(self, role: str | None = None) -> list[WorkerHandle]:
+        """Live workers that take new requests (not being drained by the planner)."""
+        return [w for w in self.live(role) if not w.draining]
+
     # -- messaging ----------------------------------------------------------------------------
     async def _send(self, worker: WorkerHandle, *msg: object) -> bool:
         try:
@@ -178,6 +187,8 @@ class DisaggEngine(EngineClient):
             self._register(ident, msg[1])
             return
         worker = self.workers.get(ident)
+        if worker is not None and worker.draining and not worker.alive:
+            return  # retired by the planner: it is shutting down, and another takes its cores
         if worker is None or not worker.alive:
             # A worker we dropped (or a router restart): ask it to introduce itself again.
             await self._sock.send_multipart([ident, *self._channel.sign(("hello",))])
@@ -231,6 +242,8 @@ class DisaggEngine(EngineClient):
             flight = self.flights.get(out.request_id)
             if flight is not None:
                 flight.streamed = True
+                if self.planning is not None:
+                    self.planning.on_output(flight, len(out.new_token_ids), out.finished)
                 if out.finished:
                     self._drop_flight(out.request_id)
         stopped = self._deliver(outputs)
@@ -293,8 +306,8 @@ class DisaggEngine(EngineClient):
 
     def _runs_whole(self, flight: Flight) -> list[WorkerHandle]:
         """The workers to run this request on whole (no transfer), or [] to disaggregate it."""
-        colocated, decode = self.live("colocated"), self.live("decode")
-        if not (self.live("prefill") and decode):
+        colocated, decode = self.routable("colocated"), self.routable("decode")
+        if not (self.routable("prefill") and decode):
             return colocated  # no pair: colocated workers (or, if none, the fallback below)
         limit = self.settings.max_local_prefill_tokens
         candidates = colocated or decode
@@ -311,9 +324,9 @@ class DisaggEngine(EngineClient):
                 flight.keys = block_keys(flight.request.prompt_token_ids, self.info.block_size, self.info.hash_algo,
                                          self.info.block_key_extra, flight.request.cache_salt)
                 flight.num_blocks = -(-flight.request.num_prompt_tokens // self.info.block_size)
-            if self.store is not None and self.live("decode") and self.store.prefill_free(flight.request):
+            if self.store is not None and self.routable("decode") and self.store.prefill_free(flight.request):
                 self.counters.prefill_free += 1
-                await self._run_colocated(flight, self._pick(flight, self.live("decode"), "prefill-free"))
+                await self._run_colocated(flight, self._pick(flight, self.routable("decode"), "prefill-free"))
                 return
             whole = self._runs_whole(flight)
             if whole:
@@ -322,8 +335,8 @@ class DisaggEngine(EngineClient):
             for attempt in range(self.settings.max_attempts):
                 if attempt:
                     self.counters.retries += 1
-                prefill = self._pick(flight, self.live("prefill"), "disaggregated")
-                decode = self.router.pick(flight.keys, flight.num_blocks, self.live("decode"))
+                prefill = self._pick(flight, self.routable("prefill"), "disaggregated")
+                decode = self.router.pick(flight.keys, flight.num_blocks, self.routable("decode"))
                 if prefill is None or decode is None:
                     break
                 self.router.routed(decode, flight.keys)
@@ -408,7 +421,7 @@ class DisaggEngine(EngineClient):
         take it, the least-loaded decode (else any) worker."""
         worker = pick.worker if pick is not None else None
         if worker is None:
-            candidates = self.live("colocated") or self.live("decode") or self.live()
+            candidates = self.routable("colocated") or self.routable("decode") or self.routable() or self.live()
             if not candidates:
                 raise EngineDeadError("no live worker to serve the request")
             worker = min(candidates, key=lambda w: (w.load, w.worker_id))
