@@ -169,11 +169,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa: ANN001, ANN202
-    from tandem.disagg.flight import RouterSettings
     from tandem.disagg.launch import local_launcher
+    from tandem.disagg.paths import Slo
     from tandem.disagg.planner import PlannerSettings
     from tandem.disagg.router import DisaggEngine
     from tandem.disagg.routing import RoutingSettings
+    from tandem.disagg.settings import RouterSettings
     from tandem.disagg.wire import SECRET_ENV, new_secret
 
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
@@ -184,12 +185,12 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
-                              args.routing_guard_ratio)
+                              args.routing_guard_ratio, paths=args.path_policy,
+                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
     planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
                               args.planner_interval, dwell_s=args.planner_dwell)
     settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
-                              expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout,
-                              max_local_prefill_tokens=args.max_local_prefill_tokens)
+                              expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
     return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)
 
 
@@ -292,13 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     rt.add_argument("--routing-temperature", type=float, default=0.0, help="kv: > 0 draws from a softmax of the costs")
     rt.add_argument("--routing-guard-ratio", type=float, default=1.5,
                     help="kv: a worker serving more than this times the mean requests (+1) gets no more")
-    rt.add_argument("--max-local-prefill-tokens", type=int, default=0,
-                    help="a request with at most this many tokens left to prefill runs on one worker (a "
-                    "colocated or decode worker) with no transfer (0: every prompt goes to a prefill worker)")
-    pl = srv.add_argument_group("SLO planner (moves local workers between the prefill and decode pools)")
+    rt.add_argument("--path-policy", default="slo", choices=["slo", "disaggregated"],
+                    help="slo: per request, the path (colocated on one worker, disaggregated over a prefill/decode "
+                    "pair, prefill-free from the KV store) whose predicted TTFT and TPOT meet --slo-ttft-ms and "
+                    "--slo-tpot-ms with the most headroom; disaggregated: every prompt through a pair when "
+                    "there is one")
+    pl = srv.add_argument_group("SLOs and the planner (which moves local workers between prefill and decode)")
     pl.add_argument("--planner", default="off", choices=["on", "off"])
-    pl.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="the prefill pool's SLO: p90 TTFT")
-    pl.add_argument("--slo-tpot-ms", type=float, default=200.0, help="the decode pool's SLO: p90 TPOT")
+    pl.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="the SLO on time to first token (p90)")
+    pl.add_argument("--slo-tpot-ms", type=float, default=200.0, help="the SLO on time per output token (p90)")
     pl.add_argument("--planner-interval", type=float, default=5.0, help="seconds between the planner's decisions")
     pl.add_argument("--planner-dwell", type=float, default=120.0, help="seconds after an action before the next")
     srv.set_defaults(func=cmd_serve)

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 # A small token budget forces chunked prefill (and so multi-step, layer-wise transfers).
 COMMON = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "64")
-DISAGG = ("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1")
+# Every prompt through the pair (not the per-request path choice): these tests are about the transfer.
+DISAGG = ("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+          "--path-policy", "disaggregated")
 
 
 def metric(server: Server, name: str, **labels: str) -> float:

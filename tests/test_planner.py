@@ -27,13 +27,13 @@ def test_a_missed_ttft_slo_flips_one_decode_worker_once_within_the_dwell() -> No
     clock = Clock()
     planner = Planner(SETTINGS, clock)
     load(planner, clock, ttft=2.5, tpot=0.02)  # prompts queue, decoding has plenty of room
-    action = planner.decide(num_prefill=1, num_decode=2)
+    action = planner.decide({"prefill": 1, "decode": 2})
     assert action is not None and (action.from_role, action.to_role) == ("decode", "prefill")
     assert "TTFT p90 2500 ms" in action.reason
     # The same pressure within the dwell time: nothing, however long it lasts.
     for _ in range(5):
         load(planner, clock, ttft=2.5, tpot=0.02)
-        assert planner.decide(num_prefill=2, num_decode=1) is None
+        assert planner.decide({"prefill": 2, "decode": 1}) is None
     assert len(planner.actions) == 1
 
 
@@ -41,7 +41,7 @@ def test_a_missed_tpot_slo_flips_a_prefill_worker() -> None:
     clock = Clock()
     planner = Planner(SETTINGS, clock)
     load(planner, clock, ttft=0.2, tpot=0.3)
-    action = planner.decide(num_prefill=2, num_decode=1)
+    action = planner.decide({"prefill": 2, "decode": 1})
     assert action is not None and (action.from_role, action.to_role) == ("prefill", "decode")
 
 
@@ -49,20 +49,20 @@ def test_no_flip_without_headroom_or_a_spare_worker_or_enough_samples() -> None:
     clock = Clock()
     planner = Planner(SETTINGS, clock)
     load(planner, clock, ttft=2.5, tpot=0.08)  # both pools near or past their SLOs: moving helps nobody
-    assert planner.decide(num_prefill=1, num_decode=2) is None
+    assert planner.decide({"prefill": 1, "decode": 2}) is None
     load(planner, clock, ttft=2.5, tpot=0.02, seconds=40)
-    assert planner.decide(num_prefill=1, num_decode=1) is None  # the decode pool's last worker stays
+    assert planner.decide({"prefill": 1, "decode": 1}) is None  # the decode pool's last worker stays
     fresh = Planner(SETTINGS, clock)
     load(fresh, clock, ttft=2.5, tpot=0.02, seconds=2)
-    assert fresh.decide(num_prefill=1, num_decode=2) is None  # too little evidence
+    assert fresh.decide({"prefill": 1, "decode": 2}) is None  # too little evidence
 
 
 def test_after_the_dwell_it_judges_the_new_split_on_new_requests_only() -> None:
     clock = Clock()
     planner = Planner(SETTINGS, clock)
     load(planner, clock, ttft=2.5, tpot=0.02)
-    assert planner.decide(num_prefill=1, num_decode=3) is not None
+    assert planner.decide({"prefill": 1, "decode": 3}) is not None
     clock.now += 61  # past the dwell, but nothing measured since the flip
-    assert planner.decide(num_prefill=2, num_decode=2) is None
+    assert planner.decide({"prefill": 2, "decode": 2}) is None
     load(planner, clock, ttft=0.3, tpot=0.02)  # the new split meets both SLOs: it stays
-    assert planner.decide(num_prefill=2, num_decode=2) is None
+    assert planner.decide({"prefill": 2, "decode": 2}) is None

@@ -3,12 +3,12 @@ spreads one hot prefix, the router's own predictions expire, a forgotten worker 
 
 from __future__ import annotations
 
+from tandem.disagg.messages import WorkerInfo
 from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.registry import WorkerHandle
 from tandem.disagg.routing import Router, RoutingSettings
-from tandem.disagg.worker import WorkerInfo
+from tandem.engine.core_report import CoreInfo
 from tandem.kv.block_pool import BlockRemoved, BlockStored
-from tandem.serve.core_proc import CoreInfo
 
 
 class Clock:
@@ -51,7 +51,7 @@ def test_the_guard_spreads_one_hot_prefix() -> None:
     placed = {"a": 0, "b": 0}
     for i in range(20):  # every request shares the whole prompt: a system prompt everyone uses
         pick = r.pick(PROMPT, 65, [a, b])
-        r.routed(pick, PROMPT)
+        r.routed(pick.worker, PROMPT)
         pick.worker.inflight.add(f"r{i}")
         placed[pick.worker.worker_id] += 1
     mean = sum(placed.values()) / 2

@@ -17,10 +17,11 @@ from wiretap import Proxy
 
 from tandem.disagg import router as router_module
 from tandem.disagg import secure, wire
-from tandem.disagg.flight import RouterSettings
 from tandem.disagg.router import DisaggEngine
+from tandem.disagg.settings import RouterSettings
 from tandem.disagg.transport import TransferHandle, TransferResult
 from tandem.disagg.transports.zmq_tcp import REFUSED, ZmqReceiver, ZmqSender, max_kv_frame
+from tandem.engine.messages import AddRequests
 from tandem.engine.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -156,11 +157,13 @@ def test_a_wiretap_between_router_and_worker_sees_no_request(encrypted: bool) ->
     try:
         request = Request(RID, list(TOKEN_IDS), SamplingParams(max_tokens=3))
         sent, got = wire.Channel(SECRET), wire.Channel(SECRET)
-        dealer.send_multipart(sent.sign(("prefill", request)))
+        dealer.send_multipart(sent.sign(AddRequests([request])))
         frames = recv(router)
         assert frames is not None and frames[0] == b"w0"
-        (kind, received), _ = got.verify(frames[1:])
-        assert kind == "prefill" and received.prompt_token_ids == TOKEN_IDS and received.request_id == RID
+        msg, _ = got.verify(frames[1:])
+        assert isinstance(msg, AddRequests)
+        received = msg.requests[0]
+        assert received.prompt_token_ids == TOKEN_IDS and received.request_id == RID
         captured = proxy.captured()
         assert pickled_token_ids() in pickle.dumps(request)  # what the tap looks for is really there
         # In clear text the tap reads the prompt; under CURVE it reads neither it nor the request id.

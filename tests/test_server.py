@@ -16,6 +16,8 @@ import pytest
 import zmq
 from server_utils import Server, free_port, running_server
 
+from tandem.engine.messages import KVEvents
+
 pytestmark = pytest.mark.slow
 
 # float32: greedy outputs are exact across batch shapes and cache hits (bf16 rounding differs by path).
@@ -244,8 +246,8 @@ def test_prefix_cache_metrics_and_kv_events(server: Server, client: openai.OpenA
             {"role": "system", "content": system}, {"role": "user", "content": q}])
     assert server.metric("prefix_cache_hits_total") - hits_before >= 16 * 5
     assert sub.poll(5000), "no KV events were published"
-    kind, _, events = sub.recv_pyobj()
-    assert kind == "kv_events" and any(type(e).__name__ == "BlockStored" for e in events)
+    msg = sub.recv_pyobj()
+    assert isinstance(msg, KVEvents) and any(type(e).__name__ == "BlockStored" for e in msg.events)
     sub.close(linger=0)
 
 

@@ -1,8 +1,11 @@
-"""The router's plain data: its settings, a request in flight through it, and its counters."""
+"""A request in flight through the router: its phase, the workers it is on, what the router
+predicted for it and what it measured."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import time
 from dataclasses import dataclass, field, replace
 
 from tandem.disagg.registry import WorkerHandle
@@ -10,22 +13,16 @@ from tandem.engine.core import EngineCoreOutput
 from tandem.engine.request import Request
 
 
-@dataclass
-class RouterSettings:
-    bind: str = "tcp://127.0.0.1:0"
-    secret: bytes = b""
-    expected_workers: int = 0  # wait for this many (and at least one) to register before serving
-    startup_timeout: float = 300.0
-    heartbeat_timeout: float = 5.0
-    reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
-    prefill_timeout: float = 300.0
-    max_attempts: int = 2  # disaggregated tries before running the request colocated
-    # A request with at most this many tokens left to prefill (past its best cached overlap) runs on
-    # one worker, with no transfer; 0: only when no prefill/decode pair is available.
-    max_local_prefill_tokens: int = 0
-    # A dead local worker is started again after restart_backoff_s, doubling per quick death, up to the max.
-    restart_backoff_s: float = 1.0
-    max_restart_backoff_s: float = 30.0
+class Phase(enum.Enum):
+    ROUTING = "routing"  # choosing a path and workers
+    RESERVE = "reserve"  # a decode worker allocates blocks for the prompt
+    PREFILL = "prefill"  # a prefill worker computes the prompt and ships its KV
+    DECODE = "decode"  # the decode worker streams the rest
+    WHOLE = "whole"  # one worker runs all of it (colocated, prefill-free, or a fallback)
+
+    @property
+    def streaming(self) -> bool:
+        return self in (Phase.DECODE, Phase.WHOLE)
 
 
 class WorkerLost(Exception):
@@ -51,7 +48,7 @@ def first_token_output(request: Request, first: EngineCoreOutput, max_model_len:
 @dataclass
 class Flight:
     request: Request
-    phase: str = "routing"  # routing -> reserve -> prefill -> decode | colocated
+    phase: Phase = Phase.ROUTING
     prefill: WorkerHandle | None = None
     decode: WorkerHandle | None = None  # whoever streams the rest of the tokens
     streamed: bool = False
@@ -59,27 +56,25 @@ class Flight:
     task: asyncio.Task | None = None
     keys: list[int] = field(default_factory=list)  # the prompt's full-block keys, as the workers key them
     num_blocks: int = 0  # the prompt's blocks, the partial last one included
-    first_token_at: float | None = None  # what the planner measures
+    path: str = ""  # the path it took (paths.py), once chosen
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    first_token_at: float | None = None
     num_output_tokens: int = 0
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.prefill, self.decode) if w is not None]
 
+    def on_tokens(self, num_new_tokens: int) -> None:
+        if self.first_token_at is None and num_new_tokens:
+            self.first_token_at = time.monotonic()
+        self.num_output_tokens += num_new_tokens
 
-@dataclass
-class RouterCounters:
-    reserve_wait_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
-    retries: int = 0
-    fallbacks: int = 0
-    worker_deaths: int = 0
-    disaggregated: int = 0
-    colocated: int = 0
-    prefill_free: int = 0  # sent straight to a decode worker: the store held all of the prompt but its tail
-    routed: dict[str, int] = field(default_factory=dict)  # path (disaggregated, colocated, ...) -> requests
-    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> cached blocks of routed prompts
-    prompt_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> full blocks of routed prompts
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.request.arrival_time
 
-    def count_route(self, path: str, worker_id: str, overlap: int, num_blocks: int) -> None:
-        self.routed[path] = self.routed.get(path, 0) + 1
-        self.overlap_blocks[worker_id] = self.overlap_blocks.get(worker_id, 0) + overlap
-        self.prompt_blocks[worker_id] = self.prompt_blocks.get(worker_id, 0) + num_blocks
+    def tpot_s(self, now: float) -> float | None:
+        """Mean time per output token after the first (None: fewer than two tokens)."""
+        n = self.num_output_tokens
+        return (now - self.first_token_at) / (n - 1) if self.first_token_at is not None and n > 1 else None

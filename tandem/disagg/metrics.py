@@ -42,8 +42,8 @@ class DisaggMetrics:
         self.reserve_wait = Histogram("tandem:kv_reserve_wait_seconds", "Time a request waited for a decode "
                                       "worker's blocks.", r, buckets=LATENCY_BUCKETS, registry=registry)
         self.retries = counter("router_retries", "Disaggregated attempts retried after a failure.", r)
-        self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on one worker because no "
-                                 "prefill/decode pair could take them (a failure, or a pool with no live worker).", r)
+        self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on the least-loaded worker "
+                                 "because no path could take them (failed transfers, or no worker to pick).", r)
         self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
         self.restarts = counter("router_worker_restarts", "Dead local workers started again.", r)
         self.routed = counter("router_routed", "Requests routed, by path (disaggregated, colocated, prefill-free).",
@@ -55,6 +55,20 @@ class DisaggMetrics:
                                      r + ["worker_id"])
         self.planner_flips = counter("router_planner_flips", "Workers the SLO planner moved from one pool to "
                                      "another.", r + ["from_role", "to_role"])
+        self.requests = counter("router_routed_requests", "Requests routed to a worker (the one that computes the "
+                                "prompt): the load each worker was given.", r + ["worker_id"])
+        self.predicted: dict[str, Histogram] = {}
+        self.measured: dict[str, Histogram] = {}
+        for m, what in (("ttft", "time to first token"), ("tpot", "time per output token after the first")):
+            self.predicted[m] = Histogram(f"tandem:router_predicted_{m}_seconds", f"The router's prediction of the "
+                                          f"{what} on the path it chose, per finished request.", r + ["path"],
+                                          buckets=LATENCY_BUCKETS, registry=registry)
+            self.measured[m] = Histogram(f"tandem:router_measured_{m}_seconds", f"The {what} the router measured "
+                                         "for the same requests.", r + ["path"], buckets=LATENCY_BUCKETS,
+                                         registry=registry)
+        self.forecast = Gauge("tandem:router_planner_forecast_prompt_tokens_per_second", "The SLO planner's "
+                              "forecast of prompt tokens arriving per second over its next interval.", r,
+                              registry=registry)
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
@@ -100,6 +114,19 @@ class DisaggMetrics:
         if engine.planning is not None:
             for (src, dst), n in engine.planning.flips.items():
                 self._inc(self.planner_flips, (m, src, dst), n)
+        for path, record in c.paths.items():
+            for key, pred, meas in (("ttft", record.predicted_ttft_s, record.measured_ttft_s),
+                                    ("tpot", record.predicted_tpot_s, record.measured_tpot_s)):
+                for v in pred:
+                    self.predicted[key].labels(m, path).observe(v)
+                for v in meas:
+                    self.measured[key].labels(m, path).observe(v)
+                pred.clear()
+                meas.clear()
+        if engine.planning is not None:
+            self.forecast.labels(m).set(engine.planning.planner.last_forecast_tok_s)
+        for wid, n in c.requests.items():
+            self._inc(self.requests, (m, wid), n)
         for path, n in c.routed.items():
             self._inc(self.routed, (m, path), n)
         for wid, n in c.prompt_blocks.items():

@@ -1,11 +1,20 @@
-"""The SLO planner: moves capacity between the prefill and decode pools when one misses its SLO.
+"""The SLO planner: moves capacity between the prefill and decode sides when one misses its SLO.
 
 Every interval it looks at the requests finished within its window: time to first token is the
-prefill pool's SLO, time per output token the decode pool's. When one pool's p90 misses its SLO
-while the other has headroom (its p90 well inside its own SLO) and more than one worker, it takes a
-worker from the one with headroom and gives it to the one that misses. After an action it waits a
-dwell time, and forgets what it measured before: the new split is judged on its own requests only,
-so it never flips back and forth on the same evidence (Dynamo's 2 <-> 1 replica flapping).
+prefill side's SLO, time per output token the decode side's. It also forecasts the prompt tokens
+arriving over its next interval (a linear trend over the window's arrivals) against the prefill
+side's measured capacity, so it adds prefill capacity before a rising load misses TTFT, and never
+takes prefill capacity away that the coming load needs.
+
+Roles sit on a ladder: a decode worker only decodes, a prefill worker only prefills, a colocated
+worker does both. More prefill: a decode worker becomes colocated (a deployment with colocated
+workers) or prefill. More decode: a colocated worker (else a prefill worker) becomes a decode
+worker. A side keeps at least one worker able to do its job.
+
+When one side misses while the other has headroom (its p90 well inside its own SLO), it flips one
+worker. After an action it waits a dwell time, and forgets what it measured before: the new split
+is judged on its own requests only, so it never flips back and forth on the same evidence
+(Dynamo's 2 <-> 1 replica flapping).
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -24,8 +35,9 @@ class PlannerSettings:
     interval_s: float = 5.0
     window_s: float = 60.0  # measurements older than this are forgotten
     dwell_s: float = 120.0  # no action within this long of the last
-    headroom: float = 0.5  # the donor pool's p90 must be within this fraction of its SLO
-    min_samples: int = 8  # per pool, in the window, before anything is decided
+    headroom: float = 0.5  # the donor side's p90 must be within this fraction of its SLO
+    min_samples: int = 8  # per side, in the window, before anything is decided
+    max_prefill_load: float = 0.9  # forecast prompt tokens/s over prefill capacity above which it needs more
 
 
 @dataclass(frozen=True)
@@ -41,14 +53,48 @@ def p90(values: list[float]) -> float:
     return ordered[min(int(0.9 * len(ordered)), len(ordered) - 1)]
 
 
+def forecast_rate(arrivals: list[tuple[float, float]], now: float, window_s: float, interval_s: float) -> float:
+    """Amount per second expected over the next interval: a least-squares line through the window's
+    per-interval totals, read at the middle of the next one (never below zero)."""
+    bins = max(int(window_s // interval_s), 1)
+    totals = np.zeros(bins)
+    for t, amount in arrivals:
+        i = int((now - t) // interval_s)
+        if 0 <= i < bins:
+            totals[bins - 1 - i] += amount
+    rates = totals / interval_s
+    if bins < 3:
+        return float(rates.mean())
+    x = np.arange(bins, dtype=np.float64)
+    slope, intercept = np.polyfit(x, rates, 1)
+    return max(float(slope * (bins - 0.5) + intercept), 0.0)
+
+
+def more_prefill(roles: dict[str, int]) -> tuple[str, str] | None:
+    if roles.get("decode", 0) < 1:
+        return None
+    if roles.get("colocated", 0) > 0:
+        return "decode", "colocated"  # it still decodes too
+    return ("decode", "prefill") if roles["decode"] > 1 else None
+
+
+def more_decode(roles: dict[str, int]) -> tuple[str, str] | None:
+    prefill_capable = roles.get("prefill", 0) + roles.get("colocated", 0)
+    if prefill_capable < 2:
+        return None
+    return ("colocated" if roles.get("colocated", 0) else "prefill"), "decode"
+
+
 class Planner:
     def __init__(self, settings: PlannerSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
+        self._arrivals: deque[tuple[float, float]] = deque()  # (time, prompt tokens)
         self._last_action = -float("inf")
         self.actions: list[PlannerAction] = []
+        self.last_forecast_tok_s = 0.0
 
     def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
         """A request finished with this TTFT and TPOT (None: not measured, e.g. one output token)."""
@@ -58,21 +104,35 @@ class Planner:
         if tpot_s is not None:
             self._tpot.append((now, tpot_s))
 
-    def decide(self, num_prefill: int, num_decode: int) -> PlannerAction | None:
-        now = self.clock()
-        for samples in (self._ttft, self._tpot):
-            while samples and samples[0][0] < now - self.settings.window_s:
-                samples.popleft()
+    def observe_arrival(self, prompt_tokens: int) -> None:
+        self._arrivals.append((self.clock(), float(prompt_tokens)))
+
+    def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None) -> PlannerAction | None:
+        """roles: routable workers per role; prefill_capacity_tok_s: what the prefill-capable ones
+        measure together (None: unknown, the forecast is not used)."""
         s = self.settings
+        now = self.clock()
+        for samples in (self._ttft, self._tpot, self._arrivals):
+            while samples and samples[0][0] < now - s.window_s:
+                samples.popleft()
+        self.last_forecast_tok_s = forecast_rate(list(self._arrivals), now, s.window_s, s.interval_s)
         if now - self._last_action < s.dwell_s or min(len(self._ttft), len(self._tpot)) < s.min_samples:
             return None
         ttft, tpot = p90([v for _, v in self._ttft]), p90([v for _, v in self._tpot])
+        load = self.last_forecast_tok_s / prefill_capacity_tok_s if prefill_capacity_tok_s else 0.0
+        ttft_room, tpot_room = ttft < s.headroom * s.slo_ttft_s, tpot < s.headroom * s.slo_tpot_s
         action = None
-        if ttft > s.slo_ttft_s and tpot < s.headroom * s.slo_tpot_s and num_decode > 1:
-            action = PlannerAction(now, "decode", "prefill", f"TTFT p90 {ttft * 1e3:.0f} ms misses its SLO "
-                                   f"{s.slo_ttft_s * 1e3:.0f} ms; TPOT p90 {tpot * 1e3:.0f} ms has room")
-        elif tpot > s.slo_tpot_s and ttft < s.headroom * s.slo_ttft_s and num_prefill > 1:
-            action = PlannerAction(now, "prefill", "decode", f"TPOT p90 {tpot * 1e3:.0f} ms misses its SLO "
+        flip = more_prefill(roles)
+        if flip and tpot_room and (ttft > s.slo_ttft_s or load > s.max_prefill_load):
+            why = (f"TTFT p90 {ttft * 1e3:.0f} ms misses its SLO {s.slo_ttft_s * 1e3:.0f} ms" if ttft > s.slo_ttft_s
+                   else f"forecast prompt load {load:.0%} of prefill capacity")
+            action = PlannerAction(now, *flip, f"{why}; TPOT p90 {tpot * 1e3:.0f} ms has room")
+        flip = more_decode(roles)
+        # Taking a prefill-capable worker away leaves about (n-1)/n of the capacity for the forecast load.
+        n = roles.get("prefill", 0) + roles.get("colocated", 0)
+        spare = load * n / max(n - 1, 1) < s.max_prefill_load
+        if action is None and flip and tpot > s.slo_tpot_s and ttft_room and spare:
+            action = PlannerAction(now, *flip, f"TPOT p90 {tpot * 1e3:.0f} ms misses its SLO "
                                    f"{s.slo_tpot_s * 1e3:.0f} ms; TTFT p90 {ttft * 1e3:.0f} ms has room")
         if action is not None:
             self._last_action = now

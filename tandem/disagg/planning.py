@@ -1,5 +1,6 @@
-"""The planner at work in the router: measures each finished request, asks the Planner every
-interval, and carries out its decisions by flipping a local worker's role.
+"""The planner at work in the router: hears of each arrival and finished request, asks the Planner
+every interval (with the workers' roles and measured prefill capacity), and carries out its
+decisions by flipping a local worker's role.
 
 A flip drains the worker first (no new requests are routed to it; the ones it serves finish), then
 stops it and starts a worker of the other role on the same cores, which joins like any worker.
@@ -13,8 +14,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tandem.disagg.flight import Flight
+from tandem.disagg.messages import ROLES
 from tandem.disagg.planner import Planner, PlannerAction, PlannerSettings
+from tandem.disagg.registry import PREFILL_CAPABLE
+from tandem.engine.messages import Shutdown
 
 if TYPE_CHECKING:
     from tandem.disagg.registry import WorkerHandle
@@ -32,21 +35,23 @@ class PlannerLoop:
         self.planner = Planner(settings)
         self.flips: dict[tuple[str, str], int] = {}  # (from role, to role) -> flips carried out
 
-    def on_output(self, flight: Flight, num_new_tokens: int, finished: bool) -> None:
-        now = time.monotonic()
-        if flight.first_token_at is None and num_new_tokens:
-            flight.first_token_at = now
-        flight.num_output_tokens += num_new_tokens
-        if finished and flight.first_token_at is not None:
-            ttft = flight.first_token_at - flight.request.arrival_time
-            n = flight.num_output_tokens
-            self.planner.observe(ttft, (now - flight.first_token_at) / (n - 1) if n > 1 else None)
+    def observe(self, ttft_s: float, tpot_s: float | None) -> None:
+        self.planner.observe(ttft_s, tpot_s)
+
+    def observe_arrival(self, prompt_tokens: int) -> None:
+        self.planner.observe_arrival(prompt_tokens)
+
+    def decide(self) -> PlannerAction | None:
+        reg = self.engine.registry
+        workers = reg.routable()
+        roles = {role: sum(w.role == role for w in workers) for role in ROLES}
+        capable = [reg.speed(w).prefill_tok_s for w in workers if w.role in PREFILL_CAPABLE]
+        return self.planner.decide(roles, sum(capable) if capable else None)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.settings.interval_s)
-            e = self.engine
-            action = self.planner.decide(len(e.routable("prefill")), len(e.routable("decode")))
+            action = self.decide()
             if action is not None:
                 log.warning("planner: %s -> %s: %s", action.from_role, action.to_role, action.reason)
                 try:
@@ -57,7 +62,7 @@ class PlannerLoop:
     async def flip(self, action: PlannerAction) -> None:
         e = self.engine
         launch = e.launch
-        local = [w for w in e.routable(action.from_role) if w.proc is not None and launch is not None]
+        local = [w for w in e.registry.routable(action.from_role) if w.proc is not None and launch is not None]
         if not local:
             log.warning("planner: no local %s worker to flip", action.from_role)
             return
@@ -74,7 +79,7 @@ class PlannerLoop:
             worker.draining = False
             return
         worker.alive = False  # retired, not dead: nothing reroutes or restarts it
-        await e._send(worker, "shutdown")
+        await e._send(worker, Shutdown())
         assert worker.proc is not None
         await asyncio.get_running_loop().run_in_executor(None, worker.proc.wait, 30)
         _, cores = launch.roles.pop(worker.worker_id)

@@ -1,4 +1,5 @@
-"""The router's view of its workers: what it knows of each, and their engine stats summed."""
+"""The router's view of its workers: who is there, alive and taking requests, what each last
+reported, how fast it is (latency.py) and which prompt blocks it holds (prefix_index.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from tandem.disagg.worker import WorkerInfo, WorkerStats
-from tandem.serve.core_proc import CoreStats
-from tandem.serve.store_metrics import merge_tier_stats
+from tandem.disagg.latency import Speed, WorkerRates, fleet_speed
+from tandem.disagg.messages import WorkerInfo, WorkerStats
+from tandem.disagg.prefix_index import PrefixIndex
+from tandem.engine.core_report import CoreStats, sum_stats
+
+# Roles whose engine can prefill for another worker, and those that hold a pool KV lands in.
+PREFILL_CAPABLE = ("prefill", "colocated")
 
 
 @dataclass
@@ -22,6 +27,7 @@ class WorkerHandle:
     proc: subprocess.Popen | None = None
     joined: float = field(default_factory=time.monotonic)
     draining: bool = False  # the planner is taking it out of its pool: no new requests
+    rates: WorkerRates = field(default_factory=WorkerRates)
 
     @property
     def worker_id(self) -> str:
@@ -38,16 +44,57 @@ class WorkerHandle:
         return len(self.inflight) + queued
 
 
-def combined_stats(workers: list[WorkerHandle]) -> CoreStats | None:
-    """The deployment's engine stats: the sum over the workers that have reported (None: none has)."""
-    parts = [w.stats.core for w in workers if w.stats is not None]
-    if not parts:
-        return None
-    blocks = sum(s.num_blocks for s in parts)
-    used = sum(s.num_used_blocks for s in parts)
-    return CoreStats(
-        sum(s.num_running for s in parts), sum(s.num_waiting for s in parts), used / blocks if blocks else 0.0,
-        used, blocks, *(sum(getattr(s, f) for s in parts) for f in (
-            "num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens")),
-        time.monotonic(), sum(s.prompt_busy_s for s in parts), sum(s.num_computed_prompt_tokens for s in parts),
-        merge_tier_stats([s.kv_store for s in parts]))
+class WorkerRegistry:
+    def __init__(self, predict_ttl_s: float) -> None:
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.index = PrefixIndex(predict_ttl_s)
+
+    def get(self, ident: bytes) -> WorkerHandle | None:
+        return self.workers.get(ident)
+
+    def join(self, ident: bytes, info: WorkerInfo, procs: list[subprocess.Popen]) -> WorkerHandle | None:
+        """A worker registered: the new handle, or None when it was known and alive (a repeat)."""
+        old = self.workers.get(ident)
+        if old is not None and old.alive:
+            old.info = info
+            return None
+        worker = WorkerHandle(info, ident)
+        self.index.forget(info.worker_id)  # a new or restarted worker: its pool is empty
+        worker.proc = next((p for p in procs if p.pid == info.pid), None)
+        self.workers[ident] = worker
+        return worker
+
+    def report(self, worker: WorkerHandle, stats: WorkerStats) -> None:
+        worker.stats = stats
+        worker.last_seen = time.monotonic()
+        worker.rates.observe(stats)
+
+    def drop(self, worker: WorkerHandle) -> None:
+        worker.alive = False
+        self.index.forget(worker.worker_id)
+
+    def live(self, role: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
+
+    def routable(self, *roles: str) -> list[WorkerHandle]:
+        """Live workers of these roles (any, without) that take new requests (not being drained)."""
+        return [w for w in self.workers.values() if w.alive and not w.draining and (not roles or w.role in roles)]
+
+    def silent_or_exited(self, heartbeat_timeout: float) -> list[tuple[WorkerHandle, str]]:
+        now = time.monotonic()
+        out = []
+        for w in self.workers.values():
+            if not w.alive:
+                continue
+            if w.proc is not None and w.proc.poll() is not None:
+                out.append((w, f"worker {w.worker_id} exited (code {w.proc.poll()})"))
+            elif now - w.last_seen > heartbeat_timeout:
+                out.append((w, f"worker {w.worker_id} stopped responding"))
+        return out
+
+    def speed(self, worker: WorkerHandle) -> Speed:
+        return fleet_speed(worker.rates, (w.rates for w in self.live()))
+
+    def combined_stats(self) -> CoreStats | None:
+        """The deployment's engine stats: the sum over the live workers that have reported."""
+        return sum_stats([w.stats.core for w in self.live() if w.stats is not None])

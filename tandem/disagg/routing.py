@@ -15,8 +15,9 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.disagg.paths import PATH_POLICIES, Slo
 from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.registry import WorkerHandle
 
@@ -30,10 +31,14 @@ class RoutingSettings:
     temperature: float = 0.0  # 0: the cheapest; > 0: a softmax draw over normalised costs
     guard_ratio: float = 1.5
     predict_ttl_s: float = 30.0  # the router's own decisions count as cached this long (approximate mode)
+    paths: str = "slo"  # how a request's path is chosen (paths.py)
+    slo: Slo = field(default_factory=lambda: Slo(2.0, 0.2))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.paths not in PATH_POLICIES:
+            raise ValueError(f"path policy must be one of {PATH_POLICIES}, got {self.paths!r}")
 
 
 @dataclass
@@ -54,16 +59,17 @@ class Router:
         self.index = index
         self.active_blocks = active_blocks
         self.rng = rng or random.Random(0)
-        self._turn = itertools.count()
+        self._turns: dict[tuple[str, ...], itertools.count] = {}
 
     def pick(self, keys: Sequence[int], num_blocks: int, workers: Sequence[WorkerHandle]) -> Pick | None:
         """keys: the prompt's full-block keys; num_blocks: all its blocks (the partial last one too)."""
         if not workers:
             return None
         policy = self.settings.policy
-        if policy == "round-robin":
+        if policy == "round-robin":  # a turn per pool: picking in one pool does not skip another's
             ordered = sorted(workers, key=lambda w: w.worker_id)
-            worker = ordered[next(self._turn) % len(ordered)]
+            turn = self._turns.setdefault(tuple(w.worker_id for w in ordered), itertools.count())
+            worker = ordered[next(turn) % len(ordered)]
         elif policy == "least-loaded":
             worker = least_loaded(workers)
         else:
@@ -88,6 +94,6 @@ class Router:
                 return Pick(spare, overlaps[j], guarded=True)
         return Pick(workers[i], overlaps[i])
 
-    def routed(self, pick: Pick, keys: Sequence[int]) -> None:
-        """The request went to pick.worker: until events say otherwise, its prompt is cached there."""
-        self.index.predict(pick.worker.worker_id, keys)
+    def routed(self, worker: WorkerHandle, keys: Sequence[int]) -> None:
+        """The request went to the worker: until events say otherwise, its prompt is cached there."""
+        self.index.predict(worker.worker_id, keys)

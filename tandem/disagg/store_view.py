@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 
 from tandem.config import EngineConfig
+from tandem.engine.core_report import CoreInfo
 from tandem.engine.request import Request
 from tandem.kv.hashing import block_keys
 from tandem.kv.store.tiered import TieredStore, open_tiers
-from tandem.serve.core_proc import CoreInfo
 
 log = logging.getLogger(__name__)
 

@@ -100,6 +100,9 @@ class EngineCore:
         # Time of steps with prompt chunks and their prompt tokens: what admission control divides.
         self.prompt_busy_s = 0.0
         self.num_computed_prompt_tokens = 0
+        # Time and count of steps that decoded: the time between two tokens of a running request.
+        self.decode_busy_s = 0.0
+        self.num_decode_steps = 0
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
                  config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
                  self.max_model_len)
@@ -143,9 +146,13 @@ class EngineCore:
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
         prompt_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+        step_s = time.perf_counter() - t0
         if prompt_tokens:
-            self.prompt_busy_s += time.perf_counter() - t0
+            self.prompt_busy_s += step_s
             self.num_computed_prompt_tokens += prompt_tokens
+        if prompt_tokens < sched.total_num_tokens:
+            self.decode_busy_s += step_s
+            self.num_decode_steps += 1
         return outputs
 
     def _execute_isolating_failures(self, sched: SchedulerOutput, generators: dict[str, torch.Tensor]

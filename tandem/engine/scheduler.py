@@ -139,6 +139,12 @@ class Scheduler:
         else:
             self.kv.free(request)
 
+    def num_waiting_prompt_tokens(self) -> int:
+        """Prompt tokens (and preempted requests' recompute) still to compute here: the queue a new
+        prompt waits behind. KV that is loading is not computed, so it does not count."""
+        return sum(r.num_tokens - r.num_computed_tokens for rid, r in self.requests.items()
+                   if rid not in self.loading and self._is_prompt_work(r))
+
     def has_unfinished(self) -> bool:
         # A request waiting for its KV needs no steps, unless the connector's work finishes by itself.
         return len(self.requests) > len(self.loading) or self.connector.busy()

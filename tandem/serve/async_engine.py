@@ -25,12 +25,22 @@ import zmq.asyncio
 
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCoreOutput
+from tandem.engine.core_report import CoreInfo, CoreStats
+from tandem.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Ready,
+    RequestsFailed,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+)
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
-from tandem.serve.core_proc import CoreInfo, CoreStats, run_engine_core
+from tandem.serve.core_proc import run_engine_core
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -249,12 +259,12 @@ class AsyncEngine(EngineClient):
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if await self._pull.poll(500):
-                kind, payload = await self._pull.recv_pyobj()
-                if kind == "ready":
-                    self.info = payload
+                msg = await self._pull.recv_pyobj()
+                if isinstance(msg, Ready):
+                    self.info = msg.info
                     break
-                if kind == "startup_failed":
-                    raise RuntimeError(f"engine core failed to start: {payload}")
+                if isinstance(msg, StartupFailed):
+                    raise RuntimeError(f"engine core failed to start: {msg.reason}")
             if not self._proc.is_alive():
                 raise RuntimeError(f"engine core exited during start-up (exit code {self._proc.exitcode})")
             if time.monotonic() > deadline:
@@ -268,7 +278,7 @@ class AsyncEngine(EngineClient):
             self._fail(rid, EngineDeadError("server shutting down"))
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                await self._push.send_pyobj(("shutdown", None))
+                await self._push.send_pyobj(Shutdown())
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -287,35 +297,32 @@ class AsyncEngine(EngineClient):
     # -- requests -----------------------------------------------------------------------------
     def _submit(self, requests: list[Request]) -> None:
         # Not awaited: zmq.asyncio sends in call order, and this keeps enqueueing atomic.
-        self._push.send_pyobj(("add", requests))
+        self._push.send_pyobj(AddRequests(requests))
 
     async def _abort_in_engine(self, child_ids: list[str]) -> None:
         if self.healthy:
-            await self._push.send_pyobj(("abort", child_ids))
+            await self._push.send_pyobj(AbortRequests(child_ids))
 
     async def _read_outputs(self) -> None:
         while True:
             msg = await self._pull.recv_pyobj()
-            kind = msg[0]
-            if kind == "outputs":
-                _, core_outputs, stats = msg
-                self._set_stats(stats)
-                if not core_outputs:
+            if isinstance(msg, StepOutputs):
+                self._set_stats(msg.stats)
+                if not msg.outputs:
                     continue
-                stopped = self._deliver(core_outputs)
+                stopped = self._deliver(msg.outputs)
                 if stopped:
-                    await self._push.send_pyobj(("abort", stopped))
-            elif kind == "failed":
-                _, child_ids, message = msg
-                self._fail_children(child_ids, EngineRequestError(message))
-            elif kind == "ready":  # a restarted core: what had not started yet is sent again
-                self.info, self.dead = msg[1], None
+                    await self._push.send_pyobj(AbortRequests(stopped))
+            elif isinstance(msg, RequestsFailed):
+                self._fail_children(msg.request_ids, EngineRequestError(msg.message))
+            elif isinstance(msg, Ready):  # a restarted core: what had not started yet is sent again
+                self.info, self.dead = msg.info, None
                 waiting = [s for s in self.streams.values() if not s.first_output]
                 log.warning("engine core is back; sending %d waiting requests again", len(waiting))
                 for stream in waiting:
-                    self._push.send_pyobj(("add", stream.requests))
-            elif kind == "startup_failed":
-                log.error("engine core failed to start again: %s", msg[1])
+                    self._push.send_pyobj(AddRequests(stream.requests))
+            elif isinstance(msg, StartupFailed):
+                log.error("engine core failed to start again: %s", msg.reason)
 
     async def _watch_process(self) -> None:
         """A core that dies is started again, after 1 s, doubling up to 30 s while it dies young.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from tandem.serve.core_proc import CoreStats
+from tandem.engine.core_report import CoreStats
 from tandem.serve.store_metrics import StoreMetrics
 
 disable_created_metrics()  # as vLLM does: the *_created series only add noise

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tandem.kv.store.tier import TierStats
@@ -23,19 +21,6 @@ GAUGES = {
     "used_blocks": ("kv_store_used_blocks", "Blocks held by the tier."),
     "capacity_blocks": ("kv_store_capacity_blocks", "Blocks the tier can hold."),
 }
-
-
-def merge_tier_stats(parts: list[dict[str, TierStats]]) -> dict[str, TierStats]:
-    """Several engines' views: counters add up; occupancy is the largest view (a host tier is one
-    shared file that every worker on the host reports)."""
-    out: dict[str, TierStats] = {}
-    for part in parts:
-        for tier, s in part.items():
-            acc = out.setdefault(tier, TierStats())
-            for f in fields(TierStats):
-                a, b = getattr(acc, f.name), getattr(s, f.name)
-                setattr(acc, f.name, max(a, b) if f.name in GAUGES else a + b)
-    return out
 
 
 class StoreMetrics:

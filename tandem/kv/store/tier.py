@@ -14,7 +14,7 @@ import hashlib
 import struct
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MAGIC = b"TKV1"
 DIGEST_BYTES = 16
@@ -69,6 +69,22 @@ class TierStats:
     load_seconds: float = 0.0  # total time spent in load()
     used_blocks: int = 0
     capacity_blocks: int = 0
+
+
+OCCUPANCY = ("used_blocks", "capacity_blocks")  # gauges: the rest of TierStats are running totals
+
+
+def merge_tier_stats(parts: list[dict[str, TierStats]]) -> dict[str, TierStats]:
+    """Several engines' views: counters add up; occupancy is the largest view (a host tier is one
+    shared file that every worker on the host reports)."""
+    out: dict[str, TierStats] = {}
+    for part in parts:
+        for tier, s in part.items():
+            acc = out.setdefault(tier, TierStats())
+            for f in fields(TierStats):
+                a, b = getattr(acc, f.name), getattr(s, f.name)
+                setattr(acc, f.name, max(a, b) if f.name in OCCUPANCY else a + b)
+    return out
 
 
 class KVTier(ABC):

@@ -1,0 +1,117 @@
+"""What the router and its workers say to each other: typed messages, signed on the wire (wire.py).
+
+Besides the engine's own (engine/messages.py: AddRequests, AbortRequests, Shutdown in; StepOutputs,
+RequestsFailed, KVEvents out), which a worker's engine service handles like the colocated core's:
+
+  router -> worker: Reserve, Prefill, Admit, Forget, Hello
+  worker -> router: Register, Reserved | ReserveFailed, Prefilled | TransferFailed, Aborted
+
+Reserved, ReserveFailed, Prefilled and TransferFailed answer a question the router asked about one
+request (a FlightReply): the request's routing task waits for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.disagg.transport import KVEndpoint, TransferHandle, TransferResult, TransferStats
+from tandem.engine.core import EngineCoreOutput
+from tandem.engine.core_report import CoreInfo, CoreStats
+from tandem.engine.request import Request
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    core: CoreInfo
+    kv_endpoint: KVEndpoint | None  # decode workers: where their KV lands
+    host: str
+    pid: int
+    cores: list[int] | None
+
+
+@dataclass
+class WorkerStats:
+    core: CoreStats
+    transfer: TransferStats
+
+
+# -- router -> worker -------------------------------------------------------------------------
+@dataclass
+class Reserve:
+    """Decode worker: allocate blocks for this prompt, whose KV another worker computes."""
+
+    request: Request
+
+
+@dataclass
+class Prefill:
+    """Compute the prompt (max_tokens 1) and ship its KV layer by layer to the reservation."""
+
+    request: Request
+    handle: TransferHandle
+
+
+@dataclass
+class Admit:
+    """Decode worker: the KV landed; decode on from the prefill's token and random state."""
+
+    request_id: str
+    first_token: int
+    generator_state: Any
+
+
+@dataclass
+class Forget:
+    """A decode worker is gone: drop the connection to its KV endpoint."""
+
+    kv_address: str
+
+
+@dataclass
+class Hello:
+    """Who are you? (the router does not know this peer: a restart on either side)"""
+
+
+# -- worker -> router -------------------------------------------------------------------------
+@dataclass
+class Register:
+    info: WorkerInfo
+
+
+@dataclass
+class FlightReply:
+    request_id: str
+
+
+@dataclass
+class Reserved(FlightReply):
+    handle: TransferHandle
+
+
+@dataclass
+class ReserveFailed(FlightReply):
+    reason: str
+
+
+@dataclass
+class Prefilled(FlightReply):
+    output: EngineCoreOutput  # the first token
+    generator_state: Any  # the prefill's random state after sampling it
+    result: TransferResult | None
+
+
+@dataclass
+class TransferFailed(FlightReply):
+    reason: str
+
+
+@dataclass
+class Aborted:
+    """The worker stopped these requests: no further write of theirs lands anywhere."""
+
+    request_ids: list[str]

@@ -1,0 +1,72 @@
+"""Which path a request takes through the cluster, chosen per request against the SLOs.
+
+The paths (each over the workers the routing policy picked in its pool):
+  colocated      the whole request on one worker: a colocated worker, or a decode worker that
+                 prefills the prompt itself (no transfer: TaiChi's and Dynamo's conditional
+                 disaggregation for short prompts on lightly loaded decode workers);
+  disaggregated  a prefill-capable worker (prefill or colocated) computes the prompt and ships its
+                 KV to a decode worker, which streams the rest;
+  prefill-free   the KV store holds the prompt: a decode worker loads it and computes only its tail.
+
+For each, from the workers' measured speeds (latency.py) and the request's length:
+  TTFT = (prompt tokens queued there + the prompt's tokens past its cached overlap) / prefill rate
+         + the transfer time that showed on a prefill's critical path (disaggregated; prefill-free:
+         one decode step for the load);
+  TPOT = the decode worker's step time, plus, when that worker prefills the prompt itself, the stall
+         its prefill puts on the decodes there, spread over the request's output (the cost of mixing).
+Each path's predictions carry a learned bias: what its finished requests measured beyond what was
+predicted (router and messaging time, contention the speeds do not show), smoothed (dispatch.py).
+The path whose worse ratio to its SLO, max(TTFT / SLO, TPOT / SLO), is lowest wins: it meets both
+with the most headroom, or misses by the least. Policy `disaggregated` skips the prediction: every
+prompt goes through a prefill/decode pair when there is one (the store's prefill-free path first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.disagg.latency import Speed
+
+PATH_POLICIES = ("slo", "disaggregated")
+ASSUMED_OUTPUT_TOKENS = 256  # a request without max_tokens: how far its prefill's stall is spread
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass
+class PathOption:
+    path: str  # colocated | disaggregated | prefill-free
+    prefill: object | None  # the worker that computes the prompt when another decodes (WorkerHandle)
+    decode: object  # the worker that streams the tokens (WorkerHandle)
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    overlap_blocks: int = 0  # of the prompt's full blocks, those cached where it is computed
+
+    def score(self, slo: Slo) -> float:
+        return max(self.ttft_s / slo.ttft_s, self.tpot_s / slo.tpot_s)
+
+
+def predict_local(speed: Speed, prompt_left: int, max_tokens: int | None) -> tuple[float, float]:
+    """(TTFT, TPOT) of the request computed and decoded on one worker."""
+    prefill_s = prompt_left / speed.prefill_tok_s
+    ttft = speed.queued_prompt_tokens / speed.prefill_tok_s + prefill_s
+    spread = max(1, min(max_tokens or ASSUMED_OUTPUT_TOKENS, ASSUMED_OUTPUT_TOKENS))
+    return ttft, speed.step_s + prefill_s / spread
+
+
+def predict_disaggregated(prefill: Speed, decode: Speed, prompt_left: int) -> tuple[float, float]:
+    ttft = (prefill.queued_prompt_tokens + prompt_left) / prefill.prefill_tok_s + prefill.exposed_transfer_s
+    return ttft, decode.step_s
+
+
+def predict_prefill_free(decode: Speed, tail_tokens: int) -> tuple[float, float]:
+    return (decode.queued_prompt_tokens + tail_tokens) / decode.prefill_tok_s + decode.step_s, decode.step_s
+
+
+def choose(options: list[PathOption], slo: Slo) -> PathOption:
+    """The option with the most headroom; on a tie the earlier one (callers list transfer-free paths first)."""
+    return min(options, key=lambda o: o.score(slo))

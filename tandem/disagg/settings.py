@@ -1,0 +1,55 @@
+"""The router's settings and the running totals it keeps for its metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RouterSettings:
+    bind: str = "tcp://127.0.0.1:0"
+    secret: bytes = b""
+    expected_workers: int = 0  # wait for this many (and at least one) to register before serving
+    startup_timeout: float = 300.0
+    heartbeat_timeout: float = 5.0
+    reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
+    prefill_timeout: float = 300.0
+    max_attempts: int = 2  # disaggregated tries before running the request colocated
+    # A dead local worker is started again after restart_backoff_s, doubling per quick death, up to the max.
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+
+
+@dataclass
+class PathRecord:
+    """Per path: what the router predicted for its requests and what they measured."""
+
+    predicted_ttft_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    measured_ttft_s: list[float] = field(default_factory=list)
+    predicted_tpot_s: list[float] = field(default_factory=list)
+    measured_tpot_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RouterCounters:
+    reserve_wait_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    retries: int = 0
+    fallbacks: int = 0
+    worker_deaths: int = 0
+    disaggregated: int = 0
+    colocated: int = 0
+    prefill_free: int = 0  # sent straight to a decode worker: the store held all of the prompt but its tail
+    routed: dict[str, int] = field(default_factory=dict)  # path (disaggregated, colocated, ...) -> requests
+    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> cached blocks of routed prompts
+    prompt_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> full blocks of routed prompts
+    requests: dict[str, int] = field(default_factory=dict)  # worker id -> requests routed to it
+    paths: dict[str, PathRecord] = field(default_factory=dict)
+
+    def count_route(self, path: str, worker_id: str, overlap: int, num_blocks: int) -> None:
+        self.routed[path] = self.routed.get(path, 0) + 1
+        self.overlap_blocks[worker_id] = self.overlap_blocks.get(worker_id, 0) + overlap
+        self.prompt_blocks[worker_id] = self.prompt_blocks.get(worker_id, 0) + num_blocks
+        self.requests[worker_id] = self.requests.get(worker_id, 0) + 1
+
+    def path(self, name: str) -> PathRecord:
+        return self.paths.setdefault(name, PathRecord())

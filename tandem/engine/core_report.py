@@ -1,0 +1,89 @@
+"""What an engine core reports about itself: its limits once at start (CoreInfo) and its counters
+after steps (CoreStats). Plain data, sent between processes: by the colocated server's core process
+and by every cluster worker."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.kv.store.tier import merge_tier_stats
+
+
+@dataclass
+class CoreStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time: float
+    # Cumulative time of steps that computed prompt tokens, and those tokens: the rate at which
+    # queued prompts drain, decodes sharing the steps included (admission control divides them).
+    prompt_busy_s: float = 0.0
+    num_computed_prompt_tokens: int = 0
+    kv_store: dict = field(default_factory=dict)  # tier name -> TierStats (kv/store/tier.py)
+    # Prompt tokens queued (waiting requests' tokens still to compute), and the cumulative time and
+    # count of steps that ran decodes: what a router predicts a worker's TTFT and TPOT from.
+    num_waiting_prompt_tokens: int = 0
+    decode_busy_s: float = 0.0
+    num_decode_steps: int = 0
+
+
+# Running totals: a deployment's are the sum of its engines'.
+_TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens",
+           "prompt_busy_s", "num_computed_prompt_tokens", "num_running", "num_waiting", "num_used_blocks",
+           "num_blocks", "num_waiting_prompt_tokens", "decode_busy_s", "num_decode_steps")
+
+
+@dataclass
+class CoreInfo:
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    num_blocks: int
+    model_name: str
+    max_num_seqs: int = 1
+    # How this engine keys its blocks (kv/hashing.py), so a router can match them: the extra key
+    # (model fingerprint, block size), the block size, the hash and a block's bytes in a store.
+    block_key_extra: tuple = ()
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    block_nbytes: int = 0
+
+
+def core_info(core: Any, loaded: Any) -> CoreInfo:
+    """core: an EngineCore; loaded: the LoadedModel it runs."""
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    cache = core.config.cache
+    return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
+                    core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
+                    cache.block_size, cache.prefix_caching_hash_algo,
+                    loaded.arch.kv_bytes_per_token(core.config.model.dtype.itemsize) * cache.block_size)
+
+
+def core_stats(core: Any) -> CoreStats:
+    """core: an EngineCore."""
+    s = core.stats()
+    usage = core.scheduler.kv.usage()
+    return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
+                     s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
+                     core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
+                     core.connector.stats().get("tiers", {}), core.scheduler.num_waiting_prompt_tokens(),
+                     core.decode_busy_s, core.num_decode_steps)
+
+
+def sum_stats(parts: list[CoreStats]) -> CoreStats | None:
+    """Several engines' stats as one deployment's (None: none has reported)."""
+    if not parts:
+        return None
+    totals = {f: sum(getattr(s, f) for s in parts) for f in _TOTALS}
+    blocks, used = totals["num_blocks"], totals["num_used_blocks"]
+    return CoreStats(kv_usage=used / blocks if blocks else 0.0, time=time.monotonic(),
+                     kv_store=merge_tier_stats([s.kv_store for s in parts]), **totals)
