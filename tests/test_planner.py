@@ -1,9 +1,11 @@
 """The SLO planner on a scripted load and a fake clock: one flip when a pool misses its SLO and the
-other has room, none within the dwell time, none without headroom or a spare worker."""
+other has room, none within the dwell time, none without headroom or a spare worker; colocated
+workers move along the ladder; the forecast adds prefill capacity before a rising load misses and
+keeps it while the load needs it."""
 
 from __future__ import annotations
 
-from tandem.disagg.planner import Planner, PlannerSettings
+from tandem.disagg.planner import Planner, PlannerSettings, forecast_rate
 
 
 class Clock:
@@ -66,3 +68,48 @@ def test_after_the_dwell_it_judges_the_new_split_on_new_requests_only() -> None:
     assert planner.decide({"prefill": 2, "decode": 2}) is None
     load(planner, clock, ttft=0.3, tpot=0.02)  # the new split meets both SLOs: it stays
     assert planner.decide({"prefill": 2, "decode": 2}) is None
+
+
+def test_colocated_workers_move_along_the_ladder() -> None:
+    clock = Clock()
+    planner = Planner(SETTINGS, clock)
+    load(planner, clock, ttft=0.2, tpot=0.3)  # prefills stall the decodes of two colocated workers
+    action = planner.decide({"colocated": 2})
+    assert action is not None and (action.from_role, action.to_role) == ("colocated", "decode")
+    clock.now += 61
+    load(planner, clock, ttft=2.5, tpot=0.02)  # then long prompts queue: the decode worker goes back
+    action = planner.decide({"colocated": 1, "decode": 1})
+    assert action is not None and (action.from_role, action.to_role) == ("decode", "colocated")
+    clock.now += 61
+    load(planner, clock, ttft=0.2, tpot=0.3)
+    assert planner.decide({"colocated": 1, "decode": 1}) is None  # the last worker that prefills stays
+
+
+def test_the_forecast_follows_the_trend() -> None:
+    times = [0.05 + 0.1 * i for i in range(600)]  # an arrival every 0.1 s for a minute
+    rising = [(t, 10.0 * t) for t in times]  # prompt tokens per second growing by 100 a second
+    assert abs(forecast_rate(rising, 60.0, 60.0, 5.0) - 100.0 * 62.5) < 0.02 * 6250  # mid next interval
+    steady = forecast_rate([(t, 50.0) for t in times], 60.0, 60.0, 5.0)
+    assert abs(steady - 500.0) < 1e-6
+    falling = [(t, 10.0 * (60 - t)) for t in times]
+    assert forecast_rate(falling, 60.0, 60.0, 5.0) == 0.0  # never below zero
+
+
+def test_a_rising_prompt_load_adds_prefill_before_ttft_misses_and_keeps_it() -> None:
+    clock = Clock()
+    planner = Planner(SETTINGS, clock)
+    for _ in range(30):  # TTFT still meets its SLO, but the prompt load is climbing past capacity
+        clock.now += 1
+        planner.observe_arrival(int(40 * clock.now))
+        planner.observe(0.4, 0.02)
+    action = planner.decide({"prefill": 1, "decode": 2}, prefill_capacity_tok_s=1000.0)
+    assert action is not None and (action.from_role, action.to_role) == ("decode", "prefill")
+    assert "forecast prompt load" in action.reason
+    # TPOT now misses and TTFT has room, but the forecast load needs both prefill workers: they stay.
+    clock.now += 61
+    for _ in range(10):
+        clock.now += 1
+        planner.observe_arrival(1000)
+        planner.observe(0.2, 0.3)
+    assert planner.decide({"prefill": 2, "decode": 1}, prefill_capacity_tok_s=2000.0) is None
+    assert planner.decide({"prefill": 2, "decode": 1}, prefill_capacity_tok_s=8000.0) is not None

@@ -110,13 +110,14 @@ class Dispatcher:
             prefill = pick(reg.routable("prefill")) if decode is not None else None
             whole = [] if prefill is not None else whole[:1]
         for p in whole:
-            ttft, tpot = predict_local(reg.speed(p.worker), self._prompt_left(flight, p),
-                                       request.sampling_params.max_tokens)
-            out.append(PathOption("colocated", None, p.worker, ttft, tpot, p.overlap_blocks))
+            ttft, tpot, stall = predict_local(reg.speed(p.worker), self._prompt_left(flight, p),
+                                              request.sampling_params.max_tokens)
+            out.append(PathOption("colocated", None, p.worker, ttft, tpot, stall, p.overlap_blocks))
         if prefill is not None and decode is not None and prefill.worker is not decode.worker:
             ttft, tpot = predict_disaggregated(reg.speed(prefill.worker), reg.speed(decode.worker),
                                                self._prompt_left(flight, prefill))
-            out.append(PathOption("disaggregated", prefill.worker, decode.worker, ttft, tpot, prefill.overlap_blocks))
+            out.append(PathOption("disaggregated", prefill.worker, decode.worker, ttft, tpot,
+                                  overlap_blocks=prefill.overlap_blocks))
         return out
 
     def learn(self, flight: Flight, ttft_s: float | None, tpot_s: float | None) -> None:

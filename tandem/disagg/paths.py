@@ -12,12 +12,14 @@ For each, from the workers' measured speeds (latency.py) and the request's lengt
   TTFT = (prompt tokens queued there + the prompt's tokens past its cached overlap) / prefill rate
          + the transfer time that showed on a prefill's critical path (disaggregated; prefill-free:
          one decode step for the load);
-  TPOT = the decode worker's step time, plus, when that worker prefills the prompt itself, the stall
-         its prefill puts on the decodes there, spread over the request's output (the cost of mixing).
+  TPOT = the decode worker's step time; and when that worker prefills the prompt itself, the stall
+         its prefill puts on the decodes there, spread over the request's output (the cost of mixing,
+         borne by its neighbours: scored with the TPOT, but not part of the request's own prediction).
 Each path's predictions carry a learned bias: what its finished requests measured beyond what was
 predicted (router and messaging time, contention the speeds do not show), smoothed (dispatch.py).
 The path whose worse ratio to its SLO, max(TTFT / SLO, TPOT / SLO), is lowest wins: it meets both
-with the most headroom, or misses by the least. Policy `disaggregated` skips the prediction: every
+with the most headroom, or misses by the least; a path without a transfer wins unless a transfer
+gains at least a tenth of an SLO. Policy `disaggregated` skips the prediction: every
 prompt goes through a prefill/decode pair when there is one (the store's prefill-free path first).
 """
 
@@ -29,6 +31,7 @@ from tandem.disagg.latency import Speed
 
 PATH_POLICIES = ("slo", "disaggregated")
 ASSUMED_OUTPUT_TOKENS = 256  # a request without max_tokens: how far its prefill's stall is spread
+TRANSFER_MARGIN = 0.1  # of an SLO: the headroom a transfer must gain over running on one worker
 
 
 @dataclass(frozen=True)
@@ -44,18 +47,19 @@ class PathOption:
     decode: object  # the worker that streams the tokens (WorkerHandle)
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    stall_s: float = 0.0  # added to the TPOT of the decodes that share the worker computing its prompt
     overlap_blocks: int = 0  # of the prompt's full blocks, those cached where it is computed
 
     def score(self, slo: Slo) -> float:
-        return max(self.ttft_s / slo.ttft_s, self.tpot_s / slo.tpot_s)
+        return max(self.ttft_s / slo.ttft_s, (self.tpot_s + self.stall_s) / slo.tpot_s)
 
 
-def predict_local(speed: Speed, prompt_left: int, max_tokens: int | None) -> tuple[float, float]:
-    """(TTFT, TPOT) of the request computed and decoded on one worker."""
+def predict_local(speed: Speed, prompt_left: int, max_tokens: int | None) -> tuple[float, float, float]:
+    """(TTFT, TPOT, stall) of the request computed and decoded on one worker."""
     prefill_s = prompt_left / speed.prefill_tok_s
     ttft = speed.queued_prompt_tokens / speed.prefill_tok_s + prefill_s
     spread = max(1, min(max_tokens or ASSUMED_OUTPUT_TOKENS, ASSUMED_OUTPUT_TOKENS))
-    return ttft, speed.step_s + prefill_s / spread
+    return ttft, speed.step_s, prefill_s / spread
 
 
 def predict_disaggregated(prefill: Speed, decode: Speed, prompt_left: int) -> tuple[float, float]:
@@ -68,5 +72,13 @@ def predict_prefill_free(decode: Speed, tail_tokens: int) -> tuple[float, float]
 
 
 def choose(options: list[PathOption], slo: Slo) -> PathOption:
-    """The option with the most headroom; on a tie the earlier one (callers list transfer-free paths first)."""
-    return min(options, key=lambda o: o.score(slo))
+    """The option with the most headroom, unless one without a transfer comes within TRANSFER_MARGIN
+    of it: a transfer also costs a prefill worker's compute and the wire, which the request's own
+    latency does not show. On a tie the earlier option."""
+    best = min(options, key=lambda o: o.score(slo))
+    local = [o for o in options if o.prefill is None]
+    if local:
+        nearest = min(local, key=lambda o: o.score(slo))
+        if nearest.score(slo) <= best.score(slo) + TRANSFER_MARGIN:
+            return nearest
+    return best

@@ -67,7 +67,7 @@ def forecast_rate(arrivals: list[tuple[float, float]], now: float, window_s: flo
         return float(rates.mean())
     x = np.arange(bins, dtype=np.float64)
     slope, intercept = np.polyfit(x, rates, 1)
-    return max(float(slope * (bins - 0.5) + intercept), 0.0)
+    return max(float(slope * bins + intercept), 0.0)  # bin i is centred at x = i: the next one at x = bins
 
 
 def more_prefill(roles: dict[str, int]) -> tuple[str, str] | None:

@@ -1,0 +1,136 @@
+"""Per-request path choice and the speeds it predicts from, on scripted worker reports: a short
+prompt on a lightly loaded decode worker needs no transfer, a long one is disaggregated so its
+prefill does not stall the decodes, a stored prompt skips its prefill, a queue moves the choice,
+and the learned bias corrects a path that measures slower than predicted."""
+
+from __future__ import annotations
+
+from tandem.disagg.dispatch import Dispatcher
+from tandem.disagg.flight import Flight
+from tandem.disagg.latency import PRIOR_PREFILL_TOK_S, WorkerRates
+from tandem.disagg.messages import WorkerInfo, WorkerStats
+from tandem.disagg.paths import Slo
+from tandem.disagg.registry import WorkerRegistry
+from tandem.disagg.routing import Router, RoutingSettings
+from tandem.disagg.settings import RouterCounters, RouterSettings
+from tandem.disagg.transport import TransferStats
+from tandem.engine.core_report import CoreInfo, CoreStats
+from tandem.engine.request import Request
+from tandem.sampling_params import SamplingParams
+
+SLO = Slo(ttft_s=2.0, tpot_s=0.1)
+
+
+def stats(prompt_tokens: int = 0, prompt_s: float = 0.0, steps: int = 0, decode_s: float = 0.0,
+          queued: int = 0, transfers: int = 0, exposed_s: float = 0.0) -> WorkerStats:
+    core = CoreStats(0, 0, 0.0, 0, 64, 0, 0, 0, 0, 0, 0.0, prompt_s, prompt_tokens, {}, queued, decode_s, steps)
+    return WorkerStats(core, TransferStats(transfers_ok=transfers, exposed_s=exposed_s))
+
+
+def test_rates_come_from_the_differences_between_reports() -> None:
+    rates = WorkerRates()
+    rates.observe(stats(prompt_tokens=1000, prompt_s=10.0, steps=10, decode_s=10.0))  # history: ignored
+    assert rates.prefill_tok_s is None and rates.step_s is None
+    rates.observe(stats(prompt_tokens=3000, prompt_s=11.0, steps=20, decode_s=10.5, queued=700,
+                        transfers=4, exposed_s=0.4))
+    assert rates.prefill_tok_s == 2000.0 and rates.step_s == 0.05 and rates.exposed_transfer_s == 0.1
+    assert rates.queued == 700
+    rates.sent_prompt_tokens += 300  # routed there since: the next report will include it
+    assert rates.queued == 1000
+    rates.observe(stats(prompt_tokens=3000, prompt_s=11.0, steps=20, decode_s=10.5, queued=0))
+    assert rates.queued == 0 and rates.prefill_tok_s == 2000.0  # nothing new measured: unchanged
+
+
+class Cluster:
+    """A registry of workers with scripted speeds, and the dispatcher that chooses their paths."""
+
+    def __init__(self, *roles: str, paths: str = "slo") -> None:
+        self.registry = WorkerRegistry(30.0)
+        routing = RoutingSettings("least-loaded", paths=paths, slo=SLO)
+        router = Router(routing, self.registry.index, lambda w: 0)
+        self.dispatch = Dispatcher(RouterSettings(), self.registry, router, SLO, paths, self._send, self._deliver,
+                                   RouterCounters())
+        self.dispatch.info = CoreInfo(4096, 100, None, 64, "m", block_size=16)
+        self.workers = {}
+        for i, role in enumerate(roles):
+            wid = f"{role}-{i}"
+            info = WorkerInfo(wid, role, self.dispatch.info, None, "h", i, None)
+            self.workers[wid] = self.registry.join(wid.encode(), info, [])
+
+    async def _send(self, worker: object, msg: object) -> bool:
+        return True
+
+    async def _deliver(self, outputs: list) -> None:
+        pass
+
+    def speed(self, wid: str, prefill_tok_s: float, step_s: float, queued: int = 0) -> None:
+        rates = self.workers[wid].rates
+        rates.prefill_tok_s, rates.step_s, rates.queued_prompt_tokens = prefill_tok_s, step_s, queued
+
+    def choose(self, prompt_len: int, max_tokens: int = 64) -> tuple[str, str | None, str]:
+        request = Request(f"r{prompt_len}", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+        option = self.dispatch.choose(Flight(request))
+        assert option is not None
+        return option.path, option.prefill.worker_id if option.prefill else None, option.decode.worker_id
+
+
+def test_short_prompts_stay_on_the_decode_worker_and_long_ones_are_disaggregated() -> None:
+    c = Cluster("prefill", "decode")
+    c.speed("prefill-0", 2000, 0.05)
+    c.speed("decode-1", 2000, 0.05)
+    # 32 tokens: a 16 ms prefill, spread over 64 tokens, costs the decodes nothing worth a transfer.
+    assert c.choose(32) == ("colocated", None, "decode-1")
+    # 2000 tokens: a second of prefill would stall the decodes there by 16 ms a token over 64 tokens.
+    assert c.choose(2000) == ("disaggregated", "prefill-0", "decode-1")
+
+
+def test_a_queue_on_the_prefill_worker_moves_a_long_prompt_to_the_decode_worker() -> None:
+    c = Cluster("prefill", "decode")
+    c.speed("decode-1", 2000, 0.05)
+    c.speed("prefill-0", 2000, 0.05)
+    assert c.choose(2000)[0] == "disaggregated"
+    c.speed("prefill-0", 2000, 0.05, queued=8000)  # 4 s of prompts ahead of it: TTFT would miss
+    assert c.choose(2000) == ("colocated", None, "decode-1")
+
+
+def test_the_disaggregated_policy_always_uses_a_pair_when_there_is_one() -> None:
+    c = Cluster("prefill", "decode", paths="disaggregated")
+    assert c.choose(8)[0] == "disaggregated"
+    only_decode = Cluster("decode", paths="disaggregated")
+    assert only_decode.choose(8) == ("colocated", None, "decode-0")
+
+
+def test_colocated_workers_prefill_for_decode_workers() -> None:
+    c = Cluster("colocated", "decode")
+    c.speed("colocated-0", 2000, 0.05)
+    c.speed("decode-1", 2000, 0.05)
+    assert c.choose(2000) == ("disaggregated", "colocated-0", "decode-1")
+    assert c.choose(16)[0] == "colocated"
+
+
+def test_unmeasured_workers_borrow_the_fleets_speed() -> None:
+    c = Cluster("prefill", "decode")
+    assert c.registry.speed(c.workers["decode-1"]).prefill_tok_s == PRIOR_PREFILL_TOK_S
+    c.speed("prefill-0", 3000, 0.04)
+    c.workers["decode-1"].rates.prefill_tok_s = None
+    assert c.registry.speed(c.workers["decode-1"]).prefill_tok_s == 3000
+
+
+def test_a_path_that_measures_slower_than_predicted_learns_a_bias() -> None:
+    c = Cluster("prefill", "decode")
+    c.speed("prefill-0", 2000, 0.05)
+    c.speed("decode-1", 2000, 0.05)
+    flight = Flight(Request("r", list(range(2000)), SamplingParams(max_tokens=64)))
+    assert c.dispatch.choose(flight).path == "disaggregated"
+    for _ in range(20):  # every disaggregated request's TTFT measures 1 s over the prediction
+        c.dispatch.learn(flight, flight.predicted_ttft_s + 1.0, flight.predicted_tpot_s)
+    assert c.choose(2000)[0] == "colocated"
+
+
+def test_the_registry_reports_feed_the_speeds() -> None:
+    c = Cluster("colocated")
+    w = c.workers["colocated-0"]
+    c.registry.report(w, stats(prompt_tokens=0, prompt_s=0.0))
+    c.registry.report(w, stats(prompt_tokens=500, prompt_s=0.5, steps=10, decode_s=0.3))
+    speed = c.registry.speed(w)
+    assert speed.prefill_tok_s == 1000 and abs(speed.step_s - 0.03) < 1e-12
