@@ -188,7 +188,7 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
                               args.routing_guard_ratio, paths=args.path_policy,
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
     planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
-                              args.planner_interval, dwell_s=args.planner_dwell)
+                              args.planner_interval, window_s=args.planner_window, dwell_s=args.planner_dwell)
     settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
                               expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
     return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)
@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--slo-tpot-ms", type=float, default=200.0, help="the SLO on time per output token (p90)")
     pl.add_argument("--planner-interval", type=float, default=5.0, help="seconds between the planner's decisions")
     pl.add_argument("--planner-dwell", type=float, default=120.0, help="seconds after an action before the next")
+    pl.add_argument("--planner-window", type=float, default=60.0,
+                    help="seconds of finished requests and arrivals the planner judges and forecasts from")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="a prefill or decode worker that joins a router (tandem serve)")

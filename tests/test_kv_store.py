@@ -21,7 +21,7 @@ from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.store_connector import StoreConnector
-from tandem.kv.store.mooncake_tier import mooncake_available
+from tandem.kv.store.mooncake_master import mooncake_available
 from tandem.model.loader import load_model
 from tandem.sampling_params import SamplingParams
 
@@ -199,7 +199,7 @@ def test_mooncake_tier_through_the_engine(tiny: Path) -> None:
     reason = mooncake_available()
     if reason is not None:
         pytest.skip(f"Mooncake Store is not usable here: {reason}")
-    from tandem.kv.store.mooncake_tier import start_local_master
+    from tandem.kv.store.mooncake_master import start_local_master
 
     master, url = start_local_master()
     try:

@@ -16,13 +16,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from tandem.kv.store.mooncake_tier import (
-    MooncakeTier,
-    mooncake_available,
-    parse_url,
-    start_local_master,
-    stop_local_master,
-)
+from tandem.kv.store.mooncake_master import mooncake_available, start_local_master, stop_local_master
+from tandem.kv.store.mooncake_tier import MooncakeTier, parse_url
 from tandem.kv.store.tier import HEADER, pack_header
 
 BLOCK = 64 * 1024
