@@ -26,7 +26,7 @@ from tandem.disagg.flight import Flight, Phase, WorkerLost, first_token_output, 
 from tandem.disagg.messages import Admit, FlightReply, Prefill, Prefilled, Reserve, Reserved, TransferFailed
 from tandem.disagg.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
-from tandem.disagg.routing import Pick, Router
+from tandem.disagg.routing import Router
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
@@ -89,9 +89,10 @@ class Dispatcher:
             flight.reply = None
 
     # -- choosing -------------------------------------------------------------------------------
-    def _prompt_left(self, flight: Flight, pick: Pick) -> int:
+    def _prompt_left(self, flight: Flight, overlap_blocks: int) -> int:
+        """The prompt's tokens past a cached overlap: what is left to prefill."""
         bs = self.info.block_size if self.info is not None else 16
-        return max(flight.request.num_prompt_tokens - pick.overlap_blocks * bs, 1)
+        return max(flight.request.num_prompt_tokens - overlap_blocks * bs, 1)
 
     def options(self, flight: Flight) -> list[PathOption]:
         """The paths this request can take now, best-first when the policy does not predict."""
@@ -110,12 +111,12 @@ class Dispatcher:
             prefill = pick(reg.routable("prefill")) if decode is not None else None
             whole = [] if prefill is not None else whole[:1]
         for p in whole:
-            ttft, tpot, stall = predict_local(reg.speed(p.worker), self._prompt_left(flight, p),
+            ttft, tpot, stall = predict_local(reg.speed(p.worker), self._prompt_left(flight, p.overlap_blocks),
                                               request.sampling_params.max_tokens)
             out.append(PathOption("colocated", None, p.worker, ttft, tpot, stall, p.overlap_blocks))
         if prefill is not None and decode is not None and prefill.worker is not decode.worker:
             ttft, tpot = predict_disaggregated(reg.speed(prefill.worker), reg.speed(decode.worker),
-                                               self._prompt_left(flight, prefill))
+                                               self._prompt_left(flight, prefill.overlap_blocks))
             out.append(PathOption("disaggregated", prefill.worker, decode.worker, ttft, tpot,
                                   overlap_blocks=prefill.overlap_blocks))
         return out
@@ -141,7 +142,7 @@ class Dispatcher:
         for w in {id(w): w for w in (best.prefill, best.decode) if w is not None}.values():
             self.router.routed(w, flight.keys)
         if best.path != "prefill-free":
-            computes.rates.sent_prompt_tokens += flight.request.num_prompt_tokens
+            computes.rates.sent_prompt_tokens += self._prompt_left(flight, best.overlap_blocks)
         flight.path, flight.predicted_ttft_s, flight.predicted_tpot_s = best.path, best.ttft_s, best.tpot_s
         return best
 
