@@ -36,28 +36,33 @@ import asyncio
 import json
 import math
 import os
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from server_process import RunFailed, bench_serve, free_port, stop_server, tandem_exe, wait_healthy
+from server_process import (
+    RunFailed,
+    bench_serve,
+    counter_delta,
+    endpoint,
+    log_issues,
+    scrape,
+    serving,
+    tandem_exe,
+    timed,
+)
 
-from tandem.bench.client import EndpointConfig, RequestRecord, send_request
+from tandem.bench.client import EndpointConfig, RequestRecord
 from tandem.bench.report import load_records, result_paths
 from tandem.bench.workloads import TextMaker
 from tandem.model.loader import load_tokenizer
@@ -72,7 +77,6 @@ CHAT_OVERHEAD_FIXED = 32  # the template's default system message
 CONFIGS = ("pool", "tiers")
 GOALS = {"multi_turn_long_ttft_p50_tiers_over_pool": 0.2, "multi_turn_itl_p99_tiers_over_pool": 1.05,
          "probe_store_ttft_over_pool": 1.5}
-LOG_PATTERN = re.compile(r"Traceback|ERROR|CRITICAL|WARNING|Exception|exception", re.IGNORECASE)
 
 
 # -- sizes ---------------------------------------------------------------------------------------
@@ -174,14 +178,6 @@ def make_trace(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 
 # -- servers and metrics -------------------------------------------------------------------------
 
-@dataclass
-class Server:
-    name: str
-    url: str
-    command: list[str]
-    log: Path
-
-
 def config_flags(config: str, sizing: Sizing, disk_dir: str | None) -> list[str]:
     flags = ["--num-blocks", str(sizing.pool_blocks), "--block-size", str(BLOCK_SIZE)]
     if config == "tiers":
@@ -191,38 +187,10 @@ def config_flags(config: str, sizing: Sizing, disk_dir: str | None) -> list[str]
     return flags
 
 
-@contextmanager
-def serving(name: str, flags: list[str], args: argparse.Namespace, progress: Progress) -> Iterator[Server]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [tandem_exe(), "--log-level", args.server_log_level, "serve", "--port", str(port), *flags,
-               *shlex.split(args.server_args)]
-    log = args.out_dir / f"{name}.server.log"
-    console.print(f"[bold]{name}[/]: {shlex.join(command)}")
-    with log.open("w") as f:
-        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(proc, url, args.startup_timeout, log, progress, name)
-        yield Server(name, url, command, log)
-    finally:
-        stop_server(proc)
-
-
-def scrape(url: str) -> dict[tuple[str, str | None], float]:
-    """/metrics as (sample name, tier label) -> value, summed over any other labels."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[tuple[str, str | None], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = (s.name, s.labels.get("tier"))
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def settled_scrape(url: str, wait_s: float = 1.5) -> dict[tuple[str, str | None], float]:
+def settled_scrape(url: str, wait_s: float = 1.5, by: tuple[str, ...] = ("tier",)) -> dict[tuple, float]:
     # The core sends fresh stats with every step and while idle; the saver thread may still be writing.
     time.sleep(wait_s)
-    return scrape(url)
+    return scrape(url, by)
 
 
 def store_report(before: dict, after: dict, prompt_tokens: float) -> dict[str, Any]:
@@ -252,14 +220,6 @@ def store_report(before: dict, after: dict, prompt_tokens: float) -> dict[str, A
             "tiers": out}
 
 
-def log_issues(log: Path) -> list[str]:
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    return [line.strip()[:300] for line in lines if LOG_PATTERN.search(line)]
-
-
 async def warm_up(url: str, maker: TextMaker, seed: int) -> None:
     """A few unmeasured requests (a long and a short prompt), so no measured request pays for first use."""
     rng = np.random.default_rng([seed, 7])
@@ -267,19 +227,6 @@ async def warm_up(url: str, maker: TextMaker, seed: int) -> None:
         cfg = await endpoint(http, url, "/v1/completions")
         for n in (600, 64):
             await timed(http, cfg, maker.text(rng, n), 8)
-
-
-async def endpoint(http: httpx.AsyncClient, url: str, path: str) -> EndpointConfig:
-    models = await http.get(f"{url}/v1/models")
-    return EndpointConfig(url, path, model=models.json()["data"][0]["id"], ignore_eos=True)
-
-
-async def timed(http: httpx.AsyncClient, cfg: EndpointConfig, prompt: str, out_len: int) -> RequestRecord:
-    record = RequestRecord(0, 0, 0, "probe", 0, out_len)
-    await send_request(http, cfg, prompt, record, time.perf_counter(), lambda text: 1)
-    if not record.success:
-        raise RuntimeError(f"request failed: {record.error}")
-    return record
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -360,10 +307,6 @@ def summarize(result: dict[str, Any], records: list[RequestRecord], store: dict[
 
 
 # -- part 3: one long prompt from the pool, the host tier, the disk tier -------------------------
-
-def counter_delta(before: dict, after: dict, name: str, tier: str | None = None) -> float:
-    return after.get((name, tier), 0.0) - before.get((name, tier), 0.0)
-
 
 async def measured(http: httpx.AsyncClient, cfg: EndpointConfig, prompt: str, args: argparse.Namespace) -> dict:
     """One timed request, with what served its prompt (pool prefix hits, store hits and load time per tier)."""

@@ -1,9 +1,12 @@
-"""A `tandem serve` process for a benchmark: find the command, wait for /health, stop it whole."""
+"""A `tandem serve` process for a benchmark: find the command, start it and wait for /health, read its
+/metrics, send it a timed request, scan its log, stop it whole."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -11,13 +14,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress
 
+from tandem.bench.client import EndpointConfig, RequestRecord, send_request
+
 console = Console(stderr=True)
+LOG_PATTERN = re.compile(r"Traceback|ERROR|CRITICAL|WARNING|Exception|exception", re.IGNORECASE)
 
 
 def tandem_exe() -> str:
@@ -111,3 +120,68 @@ def bench_serve(flags: list[str], client_log: Path, progress: Progress, label: s
             raise RunFailed(f"{label}: `tandem bench serve` exited with {rc}", client_log)
     finally:
         progress.remove_task(task)
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    command: list[str]
+    log: Path
+
+
+@contextlib.contextmanager
+def serving(name: str, flags: list[str], args: argparse.Namespace, progress: Progress) -> Iterator[Server]:
+    """A fresh `tandem serve` on a free loopback port (args: server_log_level, server_args, out_dir for the log,
+    startup_timeout), stopped whole on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [tandem_exe(), "--log-level", args.server_log_level, "serve", "--port", str(port), *flags,
+               *shlex.split(args.server_args)]
+    log = args.out_dir / f"{name}.server.log"
+    console.print(f"[bold]{name}[/]: {shlex.join(command)}")
+    with log.open("w") as f:
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(proc, url, args.startup_timeout, log, progress, name)
+        yield Server(name, url, command, log)
+    finally:
+        stop_server(proc)
+
+
+def scrape(url: str, by: Sequence[str] = ("tier",)) -> dict[tuple[str, str | None], float]:
+    """/metrics as (sample name, value of the first of the `by` labels it has) -> value, summed over any other
+    labels."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[tuple[str, str | None], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, next((s.labels[b] for b in by if b in s.labels), None))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def counter_delta(before: dict, after: dict, name: str, label: str | None = None) -> float:
+    return after.get((name, label), 0.0) - before.get((name, label), 0.0)
+
+
+def log_issues(log: Path) -> list[str]:
+    """The log's warning and error lines (the first 300 characters of each)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.strip()[:300] for line in lines if LOG_PATTERN.search(line)]
+
+
+async def endpoint(http: httpx.AsyncClient, url: str, path: str) -> EndpointConfig:
+    models = await http.get(f"{url}/v1/models")
+    return EndpointConfig(url, path, model=models.json()["data"][0]["id"], ignore_eos=True)
+
+
+async def timed(http: httpx.AsyncClient, cfg: EndpointConfig, prompt: str, out_len: int) -> RequestRecord:
+    record = RequestRecord(0, 0, 0, "probe", 0, out_len)
+    await send_request(http, cfg, prompt, record, time.perf_counter(), lambda text: 1)
+    if not record.success:
+        raise RuntimeError(f"request failed: {record.error}")
+    return record
