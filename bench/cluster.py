@@ -12,8 +12,8 @@ little more than half of workload 1's prefixes: what routing by prefix can gain 
   1. shared prefix: --prefixes system prompts of --prefix-len tokens (dataset prefix_repetition), a unique
      --suffix-len suffix and --output-len tokens out each, --shared-requests at Poisson --shared-rate/s. TTFT, ITL.
   2. multi-turn: --conversations chats of --turns user turns (--turn-input-len new tokens, --turn-output-len reply
-     tokens a turn; chat backend), chats starting at Poisson --turn-rate/s, each turn sent when the last reply is in
-     (a concurrency cap's FIFO slots would bind each chat to one worker under least-loaded too). TTFT of turns >= 2.
+     tokens a turn; chat backend), chats starting at Poisson --turn-rate/s, each turn sent --turn-think-time s
+     (mean, exponential) after the last reply, as users do: meanwhile other chats land. TTFT of turns >= 2.
   3. single shared prefix: one --prefix-len prefix, --single-requests at --single-rate/s. Per-worker load: the
      router's `tandem:router_routed_prompt_blocks_total{worker_id}` over the run (max / mean), and
      `tandem:worker_num_requests_running` sampled every --sample-interval s; TTFT against least-loaded.
@@ -198,7 +198,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
                      ["--backend", "openai-chat", "--dataset-name", "multi_turn", "--num-prompts",
                       str(args.conversations), "--multi-turn-turns", str(args.turns), "--multi-turn-input-len",
                       str(args.turn_input_len), "--multi-turn-output-len", str(args.turn_output_len),
-                      "--request-rate", str(args.turn_rate)], "later_ttft"),
+                      "--request-rate", str(args.turn_rate), "--think-time", str(args.turn_think_time)], "later_ttft"),
             Workload("single_prefix", f"1 prefix, {args.single_requests} requests at {args.single_rate:g}/s",
                      [*prefix, "--prefix-repetition-num-prefixes", "1", "--num-prompts", str(args.single_requests),
                       "--request-rate", str(args.single_rate)], "ttft", 1)]
@@ -338,7 +338,8 @@ def parse_args() -> argparse.Namespace:
                            ("--shared-requests", 28), ("--shared-rate", 0.3), ("--single-requests", 48),
                            ("--single-rate", 0.6))),
                          ("multi-turn (2)", (("--conversations", 10), ("--turns", 6), ("--turn-input-len", 128),
-                                             ("--turn-output-len", 32), ("--turn-rate", 0.15)))):
+                                             ("--turn-output-len", 32), ("--turn-rate", 0.15),
+                                             ("--turn-think-time", 5.0)))):
         g = ap.add_argument_group(group)
         for flag, default in sizes:
             g.add_argument(flag, type=type(default), default=default)

@@ -229,3 +229,18 @@ def test_bad_flags_are_errors(stub: StubServer, word_tokenizer: None) -> None:
     assert main([*base, "--percentile-metrics", "ttft,bogus"]) == 2
     assert main([*base, "--dataset-name", "mooncake_trace"]) == 2  # no --dataset-path
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--disable-tqdm"]) == 2  # no /v1/models
+
+
+def test_think_time_spaces_the_turns_as_seeded(stub: StubServer) -> None:
+    turns = [SampleRequest(f" n={n}", 3, n) for n in (1, 1, 1, 1)]
+
+    def gaps(**kw: object) -> list[float]:
+        recs = go(stub, [Session(list(turns))], "/v1/chat/completions", **kw).records
+        assert all(r.success for r in recs)
+        return [b.start - (a.start + a.latency) for a, b in zip(recs, recs[1:], strict=False)]
+
+    thinking = gaps(think_time_s=0.15, seed=3)
+    assert sum(thinking) > 0.15  # three exponential gaps of mean 0.15 s: well above zero
+    again = gaps(think_time_s=0.15, seed=3)
+    assert all(abs(a - b) < 0.05 for a, b in zip(thinking, again, strict=True))  # the same draws
+    assert sum(gaps()) < sum(thinking) / 3  # without: each turn goes at once

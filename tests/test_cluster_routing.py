@@ -100,3 +100,17 @@ def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_mis
         assert metric(s, "router_worker_deaths") == 0 and metric(s, "router_colocated_fallbacks") == 0
         assert metric(s, "router_measured_ttft_seconds_count", path="disaggregated") >= len(texts)
         wait_blocks_free(s)
+
+
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death(passages: list[str]) -> None:
+    """One prompt chunk of ~900 tokens takes seconds on one core: the worker's heartbeat thread keeps
+    the router from declaring it dead meanwhile."""
+    args = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "2048", "--workers", "1",
+            "--worker-heartbeat-timeout", "2")
+    text = " ".join(passages)[:4000]
+    with running_server(*args) as s:
+        t0 = time.monotonic()
+        [(_, reason)] = run_all(s, [text], max_tokens=2)
+        assert reason == "length"
+        assert time.monotonic() - t0 > 2.5, "the step was too short to test anything; use a longer prompt"
+        assert metric(s, "router_worker_deaths") == 0

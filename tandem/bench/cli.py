@@ -102,6 +102,8 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps: 1 is Poisson, < 1 burstier, > 1 more regular")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: mean seconds (exponential, seeded) between a reply and the user's next turn")
     g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
 
     g = p.add_argument_group("metrics and output")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -27,6 +28,9 @@ class RunConfig:
     seed: int = 0
     request_timeout: float | None = 600.0  # seconds without a byte before a request counts as failed
     progress: bool = True
+    # Mean seconds a user takes before the next turn of a conversation (exponential; 0: at once). Real
+    # users think: meanwhile other conversations' requests land, as they do on a shared deployment.
+    think_time_s: float = 0.0
 
 
 @dataclass
@@ -59,7 +63,8 @@ class _Bar:
 
 async def _run_session(http: httpx.AsyncClient, cfg: EndpointConfig, session: Session, session_index: int,
                        first_index: int, start_at: float, origin: float, gate: asyncio.Semaphore | None,
-                       count_tokens: Callable[[str], int], bar: _Bar) -> list[RequestRecord]:
+                       count_tokens: Callable[[str], int], bar: _Bar, think: Callable[[], float]
+                       ) -> list[RequestRecord]:
     delay = start_at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -78,6 +83,8 @@ async def _run_session(http: httpx.AsyncClient, cfg: EndpointConfig, session: Se
             bar.done(record)
             continue
         messages = [*history, {"role": "user", "content": turn.prompt}]
+        if t:
+            await asyncio.sleep(think())
         if gate is None:
             await send_request(http, cfg, messages, record, origin, count_tokens)
         else:
@@ -88,6 +95,14 @@ async def _run_session(http: httpx.AsyncClient, cfg: EndpointConfig, session: Se
         history = [*messages, {"role": "assistant", "content": record.generated_text}]
         history_tokens = record.prompt_len + record.output_tokens
     return records
+
+
+def _thinker(cfg: RunConfig, session_index: int) -> Callable[[], float]:
+    """The session's think times: seeded by the run's seed and the session, so reruns repeat them."""
+    if cfg.think_time_s <= 0:
+        return lambda: 0.0
+    rng = np.random.default_rng([cfg.seed, session_index])
+    return lambda: float(rng.exponential(cfg.think_time_s))
 
 
 def _client(cfg: RunConfig) -> httpx.AsyncClient:
@@ -107,7 +122,7 @@ async def run_sessions(cfg: RunConfig, sessions: list[Session], count_tokens: Ca
         with _Bar(num_requests(sessions), enabled, label) as bar:
             origin = time.perf_counter()
             tasks = [asyncio.create_task(_run_session(http, cfg.endpoint, s, i, firsts[i], origin + off, origin,
-                                                      gate, count_tokens, bar))
+                                                      gate, count_tokens, bar, _thinker(cfg, i)))
                      for i, (s, off) in enumerate(zip(sessions, offsets, strict=True))]
             results = await asyncio.gather(*tasks)
             duration = time.perf_counter() - origin

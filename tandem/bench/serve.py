@@ -178,7 +178,7 @@ def benchmark(args: argparse.Namespace, target: Target | None = None,
     if args.dataset_name == "mooncake_trace" and not math.isinf(args.request_rate):
         print("note: the trace's timestamps set the arrivals; --request-rate is ignored", file=sys.stderr)
     run_cfg = RunConfig(target.endpoint, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
-                        args.request_timeout, not args.disable_tqdm)
+                        args.request_timeout, not args.disable_tqdm, args.think_time)
     tok = target.tokenizer
     run_result = run(run_cfg, sessions, lambda text: len(tok.encode(text, add_special_tokens=False)),
                      warmup_sessions(cfg, target.maker, args.num_warmups))

@@ -4,7 +4,7 @@ Besides the engine's own (engine/messages.py: AddRequests, AbortRequests, Shutdo
 RequestsFailed, KVEvents out), which a worker's engine service handles like the colocated core's:
 
   router -> worker: Reserve, Prefill, Admit, Forget, Hello
-  worker -> router: Register, Reserved | ReserveFailed, Prefilled | TransferFailed, Aborted
+  worker -> router: Register, Alive, Reserved | ReserveFailed, Prefilled | TransferFailed, Aborted
 
 Reserved, ReserveFailed, Prefilled and TransferFailed answer a question the router asked about one
 request (a FlightReply): the request's routing task waits for them.
@@ -81,6 +81,11 @@ class Hello:
 @dataclass
 class Register:
     info: WorkerInfo
+
+
+@dataclass
+class Alive:
+    """Still here: sent from the worker's heartbeat thread while a long step keeps its loop busy."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
 from tandem.disagg.dispatch import Dispatcher
 from tandem.disagg.flight import Flight, WorkerLost
-from tandem.disagg.messages import Aborted, FlightReply, Forget, Hello, Register
+from tandem.disagg.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
 from tandem.disagg.metrics import DisaggMetrics
 from tandem.disagg.planner import PlannerSettings
 from tandem.disagg.planning import PlannerLoop
@@ -82,6 +82,7 @@ class DisaggEngine(EngineClient):
             KVEvents: lambda w, m: self.registry.index.apply(w.worker_id, m.events),
             Aborted: lambda w, m: self.dispatch.on_aborted(m.request_ids),
             RequestsFailed: self._on_failed,
+            Alive: lambda w, m: None,  # its arrival is the news (last_seen)
         }
 
     @property
@@ -306,9 +307,19 @@ class DisaggEngine(EngineClient):
         return flight
 
     def _active_blocks(self, worker: WorkerHandle) -> int:
-        """The KV blocks of the requests the worker is serving: its decode load, as the router sees it."""
+        """The KV blocks of the requests the worker is serving: its decode load, as the router sees it.
+        A prefix several of them share is one set of blocks there, so it counts once: else a hot
+        prefix's own requests would push new ones sharing it off the worker that caches it."""
         bs = self.info.block_size if self.info is not None else 16
-        return sum(-(-self.flights[r].request.num_tokens // bs) for r in worker.inflight if r in self.flights)
+        shared: set[int] = set()
+        own = 0
+        for rid in worker.inflight:
+            flight = self.flights.get(rid)
+            if flight is None:
+                continue
+            shared.update(flight.keys)
+            own += -(-flight.request.num_tokens // bs) - len(flight.keys)
+        return len(shared) + own
 
     # -- failure detection --------------------------------------------------------------------
     async def _watch(self) -> None:

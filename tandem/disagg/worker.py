@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import replace
 
@@ -28,6 +29,7 @@ from tandem.disagg.connector import KVRecvConnector, KVSendConnector
 from tandem.disagg.messages import (
     Aborted,
     Admit,
+    Alive,
     Forget,
     Hello,
     Prefill,
@@ -51,6 +53,7 @@ from tandem.engine.service import HEARTBEAT_S, EngineService
 log = logging.getLogger(__name__)
 
 RESERVATION_TTL_S = 120.0  # a reservation nobody admitted or released by then is taken back
+ALIVE_S = 1.0  # the heartbeat thread speaks up when the worker has sent nothing for this long
 
 
 def pin_cores(cores: list[int] | None) -> int:
@@ -76,6 +79,13 @@ class Worker(EngineService):
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.channel = wire.Channel(secret)
+        # One step can outlast the router's heartbeat timeout (a long prompt chunk on one core takes
+        # seconds), so a thread says Alive meanwhile. It shares the socket: every use of the socket
+        # and of the channel's counter holds this lock (a full barrier, as ZeroMQ requires).
+        self._sock_lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._alive_stop = threading.Event()
+        self._alive = threading.Thread(target=self._say_alive, name="worker-alive", daemon=True)
         self.receiver: KVReceiver | None = None
         self.sender = RoutingSender(secret)
         block_size = config.cache.block_size
@@ -107,17 +117,34 @@ class Worker(EngineService):
     # -- the engine service's transport ---------------------------------------------------------
     def receive(self, timeout_s: float) -> list[object]:
         msgs: list[object] = []
-        while self.poller.poll(0 if msgs else int(timeout_s * 1000)):
+        while True:
+            with self._sock_lock:
+                if not self.poller.poll(0 if msgs else int(timeout_s * 1000)):
+                    return msgs
+                frames = self.sock.recv_multipart()
             try:
-                msg, _ = self.channel.verify(self.sock.recv_multipart())
+                msg, _ = self.channel.verify(frames)
             except wire.AuthError as e:
                 log.warning("dropped a message from the router: %s", e)
                 continue
             msgs.append(msg)
-        return msgs
 
     def send(self, msg: object) -> None:
-        self.sock.send_multipart(self.channel.sign(msg))
+        with self._sock_lock:
+            self.sock.send_multipart(self.channel.sign(msg))
+            self._last_sent = time.monotonic()
+
+    def run(self) -> None:
+        self._alive.start()
+        super().run()
+
+    def _say_alive(self) -> None:
+        while not self._alive_stop.wait(ALIVE_S / 2):
+            if time.monotonic() - self._last_sent >= ALIVE_S:
+                try:
+                    self.send(Alive())
+                except zmq.ZMQError:  # the socket is closing
+                    return
 
     def register(self) -> None:
         self.send(Register(self.info))
@@ -222,6 +249,9 @@ class Worker(EngineService):
             self.abort(stale)
 
     def close(self) -> None:
+        self._alive_stop.set()
+        if self._alive.is_alive():
+            self._alive.join()
         super().close()
         self.sender.close()
         if self.receiver is not None:
