@@ -63,9 +63,10 @@ class Cluster:
     async def _deliver(self, outputs: list) -> None:
         pass
 
-    def speed(self, wid: str, prefill_tok_s: float, step_s: float, queued: int = 0) -> None:
+    def speed(self, wid: str, prefill_tok_s: float, step_s: float, queued: int = 0, decoding: int = 4) -> None:
         rates = self.workers[wid].rates
         rates.prefill_tok_s, rates.step_s, rates.queued_prompt_tokens = prefill_tok_s, step_s, queued
+        rates.decoding = decoding if self.workers[wid].role != "prefill" else 0
 
     def choose(self, prompt_len: int, max_tokens: int = 64) -> tuple[str, str | None, str]:
         request = Request(f"r{prompt_len}", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
@@ -82,6 +83,23 @@ def test_short_prompts_stay_on_the_decode_worker_and_long_ones_are_disaggregated
     assert c.choose(32) == ("colocated", None, "decode-1")
     # 2000 tokens: a second of prefill would stall the decodes there by 16 ms a token over 64 tokens.
     assert c.choose(2000) == ("disaggregated", "prefill-0", "decode-1")
+
+
+def test_a_worker_with_nobody_decoding_stalls_nobody() -> None:
+    c = Cluster("prefill", "decode")
+    c.speed("prefill-0", 2000, 0.05)
+    c.speed("decode-1", 2000, 0.05, decoding=0)
+    assert c.choose(2000) == ("colocated", None, "decode-1")
+
+
+def test_a_one_token_request_has_no_tpot_to_protect() -> None:
+    c = Cluster("colocated", "decode")
+    c.speed("colocated-0", 2000, 0.05, queued=4000)  # 2 s of prompts ahead
+    c.speed("decode-1", 2000, 0.05)
+    # Prefilling on the decode worker would stall its decodes by a second a token: the colocated
+    # worker computes it, queue and all, and the decode worker is not needed for its one token.
+    path, prefill, decode = c.choose(2000, max_tokens=1)
+    assert (path, prefill or decode) != ("colocated", "decode-1")
 
 
 def test_a_queue_on_the_prefill_worker_moves_a_long_prompt_to_the_decode_worker() -> None:
@@ -102,10 +120,12 @@ def test_the_disaggregated_policy_always_uses_a_pair_when_there_is_one() -> None
 
 def test_colocated_workers_prefill_for_decode_workers() -> None:
     c = Cluster("colocated", "decode")
-    c.speed("colocated-0", 2000, 0.05)
+    # The colocated worker's decode steps carry prompt chunks (its measured step is long); it has
+    # nobody decoding now. The decode worker's steps are pure decodes.
+    c.speed("colocated-0", 2000, 0.3, decoding=0)
     c.speed("decode-1", 2000, 0.05)
     assert c.choose(2000) == ("disaggregated", "colocated-0", "decode-1")
-    assert c.choose(16)[0] == "colocated"
+    assert c.choose(16) == ("colocated", None, "decode-1")
 
 
 def test_unmeasured_workers_borrow_the_fleets_speed() -> None:

@@ -115,10 +115,11 @@ class Dispatcher:
                                               request.sampling_params.max_tokens)
             out.append(PathOption("colocated", None, p.worker, ttft, tpot, stall, p.overlap_blocks))
         if prefill is not None and decode is not None and prefill.worker is not decode.worker:
-            ttft, tpot = predict_disaggregated(reg.speed(prefill.worker), reg.speed(decode.worker),
-                                               self._prompt_left(flight, prefill.overlap_blocks))
-            out.append(PathOption("disaggregated", prefill.worker, decode.worker, ttft, tpot,
-                                  overlap_blocks=prefill.overlap_blocks))
+            ttft, tpot, stall = predict_disaggregated(reg.speed(prefill.worker), reg.speed(decode.worker),
+                                                      self._prompt_left(flight, prefill.overlap_blocks),
+                                                      request.sampling_params.max_tokens)
+            out.append(PathOption("disaggregated", prefill.worker, decode.worker, ttft, tpot, stall,
+                                  prefill.overlap_blocks))
         return out
 
     def learn(self, flight: Flight, ttft_s: float | None, tpot_s: float | None) -> None:

@@ -28,12 +28,14 @@ class WorkerRates:
     step_s: float | None = None  # a decode step (prompt chunks sharing it included): the time between tokens
     exposed_transfer_s: float | None = None  # per transfer sent: what the prefill's critical path waited
     queued_prompt_tokens: int = 0  # as last reported
+    decoding: int = 0  # requests decoding there, as last reported
     sent_prompt_tokens: int = 0  # routed here since that report (the report cannot know of them yet)
     _last: WorkerStats | None = None
 
     def observe(self, stats: WorkerStats) -> None:
         last, self._last = self._last, stats
         self.queued_prompt_tokens = stats.core.num_waiting_prompt_tokens
+        self.decoding = stats.core.num_decoding
         self.sent_prompt_tokens = 0
         if last is None:
             return
@@ -62,6 +64,7 @@ class Speed:
     step_s: float
     exposed_transfer_s: float
     queued_prompt_tokens: int
+    decoding: int = 0
 
 
 def fleet_speed(rates: WorkerRates, fleet: Iterable[WorkerRates]) -> Speed:
@@ -75,4 +78,4 @@ def fleet_speed(rates: WorkerRates, fleet: Iterable[WorkerRates]) -> Speed:
         return sum(others) / len(others) if others else prior
 
     return Speed(measured("prefill_tok_s", PRIOR_PREFILL_TOK_S), measured("step_s", PRIOR_STEP_S),
-                 measured("exposed_transfer_s", 0.0), rates.queued)
+                 measured("exposed_transfer_s", 0.0), rates.queued, rates.decoding)

@@ -12,9 +12,11 @@ For each, from the workers' measured speeds (latency.py) and the request's lengt
   TTFT = (prompt tokens queued there + the prompt's tokens past its cached overlap) / prefill rate
          + the transfer time that showed on a prefill's critical path (disaggregated; prefill-free:
          one decode step for the load);
-  TPOT = the decode worker's step time; and when that worker prefills the prompt itself, the stall
-         its prefill puts on the decodes there, spread over the request's output (the cost of mixing,
-         borne by its neighbours: scored with the TPOT, but not part of the request's own prediction).
+  TPOT = the decode worker's step time (none for a one-token request); and, when the worker that
+         computes the prompt is decoding others (a colocated or decode worker), the stall its prefill
+         puts on them, spread over as many tokens as this request's output (the workload's lengths
+         standing in for theirs): the cost of mixing, borne by its neighbours, so scored with the TPOT
+         but not part of the request's own prediction.
 Each path's predictions carry a learned bias: what its finished requests measured beyond what was
 predicted (router and messaging time, contention the speeds do not show), smoothed (dispatch.py).
 The path whose worse ratio to its SLO, max(TTFT / SLO, TPOT / SLO), is lowest wins: it meets both
@@ -54,17 +56,29 @@ class PathOption:
         return max(self.ttft_s / slo.ttft_s, (self.tpot_s + self.stall_s) / slo.tpot_s)
 
 
+def stall(speed: Speed, prompt_left: int, max_tokens: int | None) -> float:
+    """What computing this prompt on the worker adds to the TPOT of the requests decoding there."""
+    if not speed.decoding:
+        return 0.0
+    spread = max(1, min(max_tokens or ASSUMED_OUTPUT_TOKENS, ASSUMED_OUTPUT_TOKENS))
+    return prompt_left / speed.prefill_tok_s / spread
+
+
+def own_tpot(speed: Speed, max_tokens: int | None) -> float:
+    return 0.0 if max_tokens == 1 else speed.step_s
+
+
 def predict_local(speed: Speed, prompt_left: int, max_tokens: int | None) -> tuple[float, float, float]:
     """(TTFT, TPOT, stall) of the request computed and decoded on one worker."""
-    prefill_s = prompt_left / speed.prefill_tok_s
-    ttft = speed.queued_prompt_tokens / speed.prefill_tok_s + prefill_s
-    spread = max(1, min(max_tokens or ASSUMED_OUTPUT_TOKENS, ASSUMED_OUTPUT_TOKENS))
-    return ttft, speed.step_s, prefill_s / spread
+    ttft = (speed.queued_prompt_tokens + prompt_left) / speed.prefill_tok_s
+    return ttft, own_tpot(speed, max_tokens), stall(speed, prompt_left, max_tokens)
 
 
-def predict_disaggregated(prefill: Speed, decode: Speed, prompt_left: int) -> tuple[float, float]:
+def predict_disaggregated(prefill: Speed, decode: Speed, prompt_left: int, max_tokens: int | None
+                          ) -> tuple[float, float, float]:
+    """(TTFT, TPOT, stall): the prompt on one worker, the rest on another."""
     ttft = (prefill.queued_prompt_tokens + prompt_left) / prefill.prefill_tok_s + prefill.exposed_transfer_s
-    return ttft, decode.step_s
+    return ttft, own_tpot(decode, max_tokens), stall(prefill, prompt_left, max_tokens)
 
 
 def predict_prefill_free(decode: Speed, tail_tokens: int) -> tuple[float, float]:

@@ -34,12 +34,13 @@ class CoreStats:
     num_waiting_prompt_tokens: int = 0
     decode_busy_s: float = 0.0
     num_decode_steps: int = 0
+    num_decoding: int = 0  # running requests past their prompt: whom a new prompt's chunks would stall
 
 
 # Running totals: a deployment's are the sum of its engines'.
 _TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens",
            "prompt_busy_s", "num_computed_prompt_tokens", "num_running", "num_waiting", "num_used_blocks",
-           "num_blocks", "num_waiting_prompt_tokens", "decode_busy_s", "num_decode_steps")
+           "num_blocks", "num_waiting_prompt_tokens", "decode_busy_s", "num_decode_steps", "num_decoding")
 
 
 @dataclass
@@ -76,7 +77,7 @@ def core_stats(core: Any) -> CoreStats:
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
                      core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
                      core.connector.stats().get("tiers", {}), core.scheduler.num_waiting_prompt_tokens(),
-                     core.decode_busy_s, core.num_decode_steps)
+                     core.decode_busy_s, core.num_decode_steps, core.scheduler.num_decoding())
 
 
 def sum_stats(parts: list[CoreStats]) -> CoreStats | None:

@@ -145,6 +145,9 @@ class Scheduler:
         return sum(r.num_tokens - r.num_computed_tokens for rid, r in self.requests.items()
                    if rid not in self.loading and self._is_prompt_work(r))
 
+    def num_decoding(self) -> int:
+        return sum(not self._is_prompt_work(r) for r in self.running)
+
     def has_unfinished(self) -> bool:
         # A request waiting for its KV needs no steps, unless the connector's work finishes by itself.
         return len(self.requests) > len(self.loading) or self.connector.busy()
