@@ -98,7 +98,10 @@ def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_mis
         time.sleep(2)
         assert metric(s, "router_planner_flips", **flips) == 1  # the dwell holds
         assert metric(s, "router_worker_deaths") == 0 and metric(s, "router_colocated_fallbacks") == 0
-        assert metric(s, "router_measured_ttft_seconds_count", path="disaggregated") >= len(texts)
+        # Every request measured against its prediction, by the path it took.
+        measured = sum(metric_or_zero(s, "router_measured_ttft_seconds_count", path=p)
+                       for p in ("colocated", "disaggregated"))
+        assert measured == metric(s, "router_predicted_ttft_seconds_count") >= 3 * len(texts)
         wait_blocks_free(s)
 
 

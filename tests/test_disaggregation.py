@@ -286,7 +286,8 @@ def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
 
     port = free_port()
     router = f"tcp://127.0.0.1:{port}"
-    server = Server([*COMMON, "--router-bind", router], env={SECRET_ENV: "the-secret"})
+    server = Server([*COMMON, "--router-bind", router, "--path-policy", "disaggregated"],
+                    env={SECRET_ENV: "the-secret"})
     workers: list[subprocess.Popen] = []
 
     def worker(role: str, secret: str, worker_id: str, *extra: str) -> None:
