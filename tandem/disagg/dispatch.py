@@ -26,7 +26,7 @@ from tandem.disagg.flight import Flight, Phase, WorkerLost, first_token_output, 
 from tandem.disagg.messages import Admit, FlightReply, Prefill, Prefilled, Reserve, Reserved, TransferFailed
 from tandem.disagg.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
-from tandem.disagg.routing import Router
+from tandem.disagg.routing import Pick, Router
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
@@ -104,12 +104,13 @@ class Dispatcher:
             tail = request.num_prompt_tokens - self.store.num_stored_tokens(request)
             out.append(PathOption("prefill-free", None, decode.worker,
                                   *predict_prefill_free(reg.speed(decode.worker), tail)))
-        prefill = pick(reg.routable(*PREFILL_CAPABLE) if decode is not None else [])
-        whole = [p for p in (pick(reg.routable("colocated")), decode) if p is not None]
+        # Each pool is picked from once: a pick may advance its pool's round-robin turn.
         predicts = self.path_policy == "slo"
-        if not predicts:  # disaggregate when a pair exists; run whole only without one
-            prefill = pick(reg.routable("prefill")) if decode is not None else None
-            whole = [] if prefill is not None else whole[:1]
+        prefill = pick(reg.routable(*(PREFILL_CAPABLE if predicts else ("prefill",)))) if decode is not None else None
+        whole: list[Pick] = []
+        if predicts or prefill is None:  # disaggregated: run whole only without a pair
+            whole = [p for p in (pick(reg.routable("colocated")), decode) if p is not None]
+            whole = whole if predicts else whole[:1]
         for p in whole:
             ttft, tpot, stall = predict_local(reg.speed(p.worker), self._prompt_left(flight, p.overlap_blocks),
                                               request.sampling_params.max_tokens)
