@@ -96,7 +96,7 @@ class Worker(EngineService):
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
             connector = self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
-        loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         super().__init__(EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None,
                                     connector))
         self.handlers.update({

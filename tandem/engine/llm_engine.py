@@ -22,7 +22,7 @@ def model_limits(config: EngineConfig, loaded: LoadedModel, max_model_len: int) 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        self.loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         self.core = EngineCore(config, self.loaded.model)
         self.tokenizer: Any | None = self.loaded.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model_limits(config, self.loaded, self.core.max_model_len))

@@ -9,17 +9,24 @@ evenly strided sample of its values: any realistic difference between checkpoint
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
+
+from tandem.model.quant import QuantizedWeight
 
 SAMPLES_PER_TENSOR = 4096
 
 
-def weights_fingerprint(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+def weights_fingerprint(weights: Mapping[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype) -> int:
+    """Weights served as stored blocks (their format in the key) compute other KV than the same file
+    dequantized, so the two fingerprints differ."""
     h = hashlib.sha256(str(dtype).encode())
     for name in sorted(weights):
-        t = weights[name].detach()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        w = weights[name]
+        t = w.data.detach() if isinstance(w, QuantizedWeight) else w.detach()
+        kind = w.fmt.name if isinstance(w, QuantizedWeight) else str(t.dtype)
+        h.update(f"{name}:{tuple(t.shape)}:{kind}".encode())
         flat = t.reshape(-1)
         sample = flat[::max(flat.numel() // SAMPLES_PER_TENSOR, 1)].contiguous().cpu()
         h.update(sample.view(torch.uint8).numpy().tobytes())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.model.linear import DENSE, Linear, LinearMethod
 from tandem.ops import fused
 
 
@@ -45,11 +46,12 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, gate_up: LinearMethod = DENSE,
+                 down: LinearMethod = DENSE) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, gate_up)
+        self.down_proj = Linear(intermediate, hidden, False, dtype, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))

@@ -6,7 +6,7 @@ logits for the sampled positions out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -14,18 +14,22 @@ from torch import nn
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, paged_attention, paged_attention_sampled
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.model.linear import DENSE, Embedding, Linear, LinearMethod, Weight
 from tandem.ops import fused
+
+Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, prefix: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype,
+                               methods.get(f"{prefix}qkv_proj", DENSE))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, methods.get(f"{prefix}o_proj", DENSE))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -45,12 +49,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, methods, f"{prefix}self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        mlp = f"{prefix}mlp."
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype,
+                            methods.get(f"{mlp}gate_up_proj", DENSE), methods.get(f"{mlp}down_proj", DENSE))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -70,15 +76,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
+        """methods: per linear module (and embed_tokens), how it holds its weight; dense by default."""
         super().__init__()
+        methods = methods or {}
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, methods, f"layers.{i}.")
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
@@ -107,27 +114,67 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm.add_forward(x, residual)
         return self.lm_head(x)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take HF-named tensors (q/k/v and gate/up separate) and fuse them into this layout."""
-        params = dict(self.named_parameters())
-        fused: dict[str, list[str]] = {}
-        for i in range(self.cfg.num_layers):
+    @staticmethod
+    def weight_parts(cfg: ArchConfig) -> dict[str, list[str]]:
+        """Each linear module (and embed_tokens) -> the checkpoint tensors (HF names) it is made of:
+        q/k/v and gate/up are fused into one matmul each; a tied lm_head is the embedding."""
+        parts = {"embed_tokens": ["embed_tokens.weight"],
+                 "lm_head": ["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
+        for i in range(cfg.num_layers):
             pre = f"layers.{i}."
-            for kind in ("weight", "bias"):
-                fused[f"{pre}self_attn.qkv_proj.{kind}"] = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
-            fused[f"{pre}mlp.gate_up_proj.weight"] = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+            parts[f"{pre}self_attn.qkv_proj"] = [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"]
+            parts[f"{pre}self_attn.o_proj"] = [f"{pre}self_attn.o_proj.weight"]
+            parts[f"{pre}mlp.gate_up_proj"] = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+            parts[f"{pre}mlp.down_proj"] = [f"{pre}mlp.down_proj.weight"]
+        return parts
+
+    def load_weights(self, weights: Mapping[str, Weight]) -> None:
+        """Take HF-named tensors (q/k/v and gate/up separate; dense or quantized) into this layout."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
-        missing = []
-        for name, param in params.items():
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            parts = fused.get(name, [name])
+        missing: list[str] = []
+        modules = dict(self.named_modules())
+        for name, parts in self.weight_parts(self.cfg).items():
+            layer = modules[name]
+            linear = layer.table if isinstance(layer, Embedding) else layer
             if not all(p in weights for p in parts):
                 missing.append(name)
                 continue
-            tensor = torch.cat([weights[p] for p in parts]) if len(parts) > 1 else weights[name]
-            if tensor.shape != param.shape:
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            if name == "lm_head" and self.cfg.tie_word_embeddings:
+                self._tie_head()
+                continue
+            try:
+                linear.method.load(linear, [weights[p] for p in parts])
+            except ValueError as e:
+                raise ValueError(f"weight {name}: {e}") from e
+            if linear.bias is not None:
+                biases = [p.replace(".weight", ".bias") for p in parts]
+                if not all(b in weights for b in biases):
+                    missing.append(f"{name}.bias")
+                    continue
+                linear.bias.data.copy_(torch.cat([weights[b] for b in biases]))
+        linears = {id(m) for m in modules.values() if isinstance(m, Linear)}
+        for name, param in self.named_parameters():
+            owner = modules[name.rsplit(".", 1)[0]]
+            if id(owner) in linears:
+                continue  # loaded above
+            if name not in weights:
+                missing.append(name)
+                continue
+            if weights[name].shape != param.shape:
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(weights[name])
         if missing:
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.method.finish(m)
+
+    def _tie_head(self) -> None:
+        """The lm_head reads the embedding's own storage."""
+        table = self.embed_tokens.table
+        if type(self.lm_head.method) is not type(table.method) and table.method.name != "dense":
+            raise ValueError("a tied lm_head must hold its weight as the embedding does")
+        if hasattr(table, "qdata") and hasattr(self.lm_head, "qdata"):
+            self.lm_head.qdata = table.qdata
+        else:
+            self.lm_head.weight = table.weight

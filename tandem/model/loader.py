@@ -23,8 +23,9 @@ from tandem.cache import cache_dir
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.layers import RotaryEmbedding
+from tandem.model.linear import QUANTIZATION_CHOICES, Weight, plan_linear_methods, weight_bytes
 from tandem.model.llama import LlamaForCausalLM
-from tandem.model.packed_linear import pack_linears, packing_supported
+from tandem.model.quant import QuantizedWeight, native_format
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +113,21 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     return reader, meta
 
 
-def load_gguf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchConfig, dict[str, Weight]]:
+    """keep_quantized: Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks (QuantizedWeight); everything
+    else, and everything when False, is dequantized to float32."""
     import gguf
 
     reader, meta = _read_gguf(path)
     names = {t.name for t in reader.tensors}
     arch = arch_from_gguf_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     with _progress() as progress:
         task = progress.add_task(path.name, total=len(reader.tensors))
         for t in reader.tensors:
-            try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            fmt = native_format(t.tensor_type) if keep_quantized and len(t.data.shape) == 2 else None
+            try:  # quantized rows come as uint8 [rows, blocks * block bytes]: row permutations apply to them
+                array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError) as e:
                 raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
             if meta["general.architecture"] in ("llama", "mistral"):
@@ -131,9 +135,13 @@ def load_gguf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
                     array = unpermute_rope(array, arch.num_heads)
                 elif t.name.endswith("attn_k.weight"):
                     array = unpermute_rope(array, arch.num_kv_heads)
-            if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
-                array = array.copy()
-            weights[gguf_to_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            name = gguf_to_hf_name(t.name)
+            if fmt is not None:
+                weights[name] = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
+            else:
+                if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
+                    array = array.copy()
+                weights[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
             progress.advance(task)
     return arch, weights
 
@@ -198,27 +206,34 @@ def load_tokenizer(model: str | None) -> Any | None:
 
 # -- entry point --------------------------------------------------------------------------------
 
-def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
+               quantization: str = "auto") -> LoadedModel:
+    """quantization: "auto" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored and a directory
+    dense; "gguf" insists on a GGUF file; "none" dequantizes everything to dtype."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     path = resolve_model_path(model)
     if path.is_dir():
+        if quantization == "gguf":
+            raise ModelLoadError(f"--quantization gguf needs a GGUF file; {path} is a directory")
         arch, weights = load_hf_weights(path)
     elif path.suffix == ".gguf":
-        arch, weights = load_gguf_weights(path)
+        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none")
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
     name = DEFAULT_MODEL_NAME if model is None else (path.name if path.is_dir() else path.stem)
+    methods = plan_linear_methods(LlamaForCausalLM.weight_parts(arch), weights, dtype, torch.device(device))
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, dtype)
+        net = LlamaForCausalLM(arch, dtype, methods)
     net = net.to_empty(device=device)
     # The rotary tables are computed, not loaded: rebuild them on the real device.
     net.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype).to(device)
-    if arch.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
-    if packing_supported(torch.device(device), dtype):
-        pack_linears(net)
+    kinds = sorted({m.name for m in methods.values()})
+    log.info("%s: %.1f MiB of weights (%s), KV %d bytes per token", name, weight_bytes(net) / 2**20,
+             ", ".join(kinds), arch.kv_bytes_per_token(dtype.itemsize))
     return LoadedModel(net, tokenizer, arch, path, name)

@@ -60,16 +60,18 @@ def native_bf16() -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    """A bf16 weight [out, in] packed for oneDNN (and for small_batch_linear where it runs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = BATCH_HINT) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         panels = None
         if small_batch_supported() and self.in_features % 2 == 0:
-            panels = torch.ops.tandem.pack_linear_weight(linear.weight.detach())
+            panels = torch.ops.tandem.pack_linear_weight(weight.detach())
         self.register_buffer("panels", panels, persistent=False)
-        self.bias = linear.bias
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -79,13 +81,3 @@ class PackedLinear(nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
-
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
-    """Replace every nn.Linear inside model by a PackedLinear; returns how many were replaced."""
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, batch_hint))
-                replaced += 1
-    return replaced

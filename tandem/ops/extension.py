@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 EXT_NAME = "tandem_ops"
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "paged_prefill_brgemm.cpp",
-            _HERE / "fused.cpp", _HERE / "kv_write.cpp", _HERE / "linear.cpp"]
+            _HERE / "fused.cpp", _HERE / "kv_write.cpp", _HERE / "linear.cpp",
+            _HERE / "quant_linear.cpp"]
 _HEADERS = [_HERE / "simd.h", _HERE / "attention_blocks.h", _HERE / "paged_prefill.h"]
 # -ffp-contract=off: no implicit FMA, so a kernel rounds exactly where its PyTorch fallback does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]

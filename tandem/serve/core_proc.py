@@ -69,7 +69,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         from tandem.engine.core_report import core_info
         from tandem.model.loader import load_model
 
-        loaded = load_model(config.model.model, config.model.dtype, config.model.device)
+        loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         core = EngineCore(config, loaded.model)
         out.send_pyobj(Ready(core_info(core, loaded)))
     except Exception as e:  # report why we could not start, then exit non-zero

@@ -1,0 +1,171 @@
+"""The linear-method seam: how each linear layer holds its weight and which kernel multiplies by it.
+
+The loader reads the checkpoint first and then plans a method per layer (plan_linear_methods), so the
+model is built with every layer in its final form: no module is swapped after loading.
+
+  dense       a [out, in] weight in the model's dtype, F.linear
+  packed-bf16 the same weight packed once for oneDNN (and small_batch_linear's panels) on CPUs with
+              native bf16 (model/packed_linear.py)
+  gguf        ggml blocks as stored in the file (Q4_0, Q4_1, Q8_0), model/quant.py's kernels
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.model.packed_linear import PackedLinear, packing_supported
+from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, quantized_linear
+
+log = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantizedWeight
+QUANTIZATION_CHOICES = ("auto", "gguf", "none")
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
+class LinearMethod:
+    """Dense: the weight as a Parameter in the model's dtype."""
+
+    name = "dense"
+
+    def create(self, layer: Linear) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype),
+                                    requires_grad=False)
+
+    def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
+        tensor = torch.cat([dense(p) for p in parts]) if len(parts) > 1 else dense(parts[0])
+        layer.check_shape(tuple(tensor.shape))
+        layer.weight.data.copy_(tensor)
+
+    def finish(self, layer: Linear) -> None:
+        """Once the weights are in (packing, repacking)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class PackedBf16Method(LinearMethod):
+    name = "packed-bf16"
+
+    def finish(self, layer: Linear) -> None:
+        layer.packed = PackedLinear(layer.weight, layer.bias)
+        layer.weight = None  # the packed copy replaces it (a tied embedding keeps its own)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer.packed(x)
+
+
+@dataclass(frozen=True)
+class GGUFMethod(LinearMethod):
+    fmt: BlockFormat
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"gguf-{self.fmt.name}"
+
+    def create(self, layer: Linear) -> None:
+        row_bytes = layer.in_features // 32 * self.fmt.block_bytes
+        layer.register_buffer("qdata", torch.empty(layer.out_features, row_bytes, dtype=torch.uint8))
+
+    def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
+        if not all(isinstance(p, QuantizedWeight) and p.fmt == self.fmt for p in parts):
+            raise ValueError(f"{self.name} expects {self.fmt.name} weights")
+        weight = cat_rows(list(parts))  # type: ignore[arg-type]
+        layer.check_shape(weight.shape)
+        layer.qdata.copy_(weight.data)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, layer.quantized_weight(), layer.bias)
+
+
+DENSE = LinearMethod()
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 method: LinearMethod = DENSE) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.dtype, self.method = in_features, out_features, dtype, method
+        method.create(self)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        if tuple(shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight has shape {tuple(shape)}, expected {(self.out_features, self.in_features)}")
+
+    def quantized_weight(self) -> QuantizedWeight:
+        assert isinstance(self.method, GGUFMethod)
+        return QuantizedWeight(self.qdata, self.method.fmt, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.method.name}"
+
+
+def native_dtype_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    """The method for a weight held in the model's dtype."""
+    return PackedBf16Method() if packing_supported(device, dtype) else DENSE
+
+
+def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mapping[str, Weight],
+                        dtype: torch.dtype, device: torch.device) -> dict[str, LinearMethod]:
+    """Per linear layer (by module name, from the checkpoint tensors it is made of): the file's own
+    block format when every part has it, else the model's dtype (mixed formats are dequantized)."""
+    plan: dict[str, LinearMethod] = {}
+    fallback = native_dtype_method(dtype, device)
+    for layer, parts in layer_parts.items():
+        present = [weights[p] for p in parts if p in weights]
+        formats = {w.fmt if isinstance(w, QuantizedWeight) else None for w in present}
+        fmt = next(iter(formats)) if len(formats) == 1 else None
+        # F.embedding needs the plain table; a tied head packs its own copy.
+        plan[layer] = GGUFMethod(fmt) if fmt is not None else DENSE if layer == "embed_tokens" else fallback
+        if fmt is None and any(f is not None for f in formats):
+            log.info("%s mixes %s: dequantized", layer, sorted(f.name for f in formats if f is not None))
+    return plan
+
+
+class Embedding(nn.Module):
+    """Token embeddings, dense or as the file's blocks (the rows a step looks up are dequantized)."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, method: LinearMethod = DENSE) -> None:
+        super().__init__()
+        self.table = Linear(dim, num_embeddings, bias=False, dtype=dtype, method=method)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense table (a tied lm_head shares it); only for a dense method."""
+        return self.table.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        if isinstance(t.method, GGUFMethod):
+            rows = QuantizedWeight(t.qdata[ids.reshape(-1)], t.method.fmt, t.in_features)
+            return rows.dequantize().to(t.dtype).view(*ids.shape, t.in_features)
+        return F.embedding(ids, t.weight)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds, packed copies included (each storage once: a tied head
+    is counted once); the rotary tables are not weights."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]
+    tensors += [b for m in model.modules() if isinstance(m, Linear) and hasattr(m, "packed")
+                for b in m.packed.buffers() if b is not None]
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,152 @@
+"""GGUF block-quantized weights held as stored (Q4_0, Q4_1, Q8_0), and the products that read them.
+
+A QuantizedWeight is a checkpoint tensor's rows of ggml blocks (32 weights along K each), untouched.
+Rows are independent, so the loader fuses q/k/v (and gate/up) and undoes llama.cpp's rotary row
+permutation on the blocks themselves.
+
+The arithmetic is llama.cpp's: activations are quantized to int8 per block of 32 (q8_roundtrip gives
+the values that stand for them) and each block's dot product is exact in integers, scaled once. The
+compiled kernel (tandem/ops/quant_linear.cpp) does this for a few rows as one stream over the weight
+bytes; for many rows, where the matmul's FLOPs and not its bytes set the time, the same values go
+through one float32 GEMM on weights dequantized for that call (a layer's worth, transient). Both give
+each row the same result up to float32 rounding, and the PyTorch fallback here (any device) too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tandem.ops import extension
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType's value
+    block_bytes: int
+    bits_per_weight: float
+
+
+Q4_0 = BlockFormat("Q4_0", 2, 18, 4.5)
+Q4_1 = BlockFormat("Q4_1", 3, 20, 5.0)
+Q8_0 = BlockFormat("Q8_0", 8, 34, 8.5)
+NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
+
+
+def native_format(ggml_type: int) -> BlockFormat | None:
+    """The format if Tensors of this ggml type can be served as stored, else None (dequantize them)."""
+    return NATIVE_FORMATS.get(int(ggml_type))
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight as rows of ggml blocks: data is uint8 [out, blocks * block_bytes]."""
+
+    data: torch.Tensor
+    fmt: BlockFormat
+    in_features: int
+
+    @classmethod
+    def from_numpy(cls, rows: np.ndarray, fmt: BlockFormat, in_features: int) -> QuantizedWeight:
+        return cls(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8)), fmt, in_features)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.data, self.fmt, self.in_features)
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along out_features (a fused qkv or gate_up): rows of blocks concatenate."""
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
+        raise ValueError("cannot fuse quantized weights of different formats or widths")
+    return QuantizedWeight(torch.cat([p.data for p in parts]), first.fmt, first.in_features)
+
+
+# -- PyTorch fallbacks (any device) -----------------------------------------------------------------
+
+def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()
+
+
+def _torch_dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
+    blocks = data.view(data.shape[0], in_features // BLOCK, fmt.block_bytes)
+    d = _half(blocks, 0)
+    if fmt == Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        m = torch.zeros_like(d)
+    else:
+        qs = blocks[..., 4:] if fmt == Q4_1 else blocks[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # low nibbles are weights 0-15, high ones 16-31
+        m = _half(blocks, 2) if fmt == Q4_1 else -8.0 * d
+    return (d * q + m).reshape(data.shape[0], in_features)
+
+
+def _torch_q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (scale * torch.round(blocks * inv)).reshape(x.shape)
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and extension.extension_available()
+
+
+def dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
+    """float32 [out_features, in_features]."""
+    if _kernel(data):
+        return torch.ops.tandem.gguf_dequantize(data, fmt.ggml_type, in_features)
+    return _torch_dequantize(data, fmt, in_features)
+
+
+def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x as its per-block int8 quantization stands for it, in float32."""
+    if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.tandem.q8_roundtrip(x)
+    return _torch_q8_roundtrip(x)
+
+
+def _gemm_rows() -> int:
+    # Past this many rows the kernel's integer dot products lose to one float32 GEMM on dequantized
+    # weights (bench/quant_linear.py measures the crossover).
+    return int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "48"))
+
+
+GEMM_ROWS = _gemm_rows()
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
+    rows = x.numel() // w.in_features
+    if _kernel(x) and rows <= GEMM_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, w.in_features, bias)
+    return reference_linear(x, w, bias)
+
+
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path."""
+    out = F.linear(q8_roundtrip(x), w.dequantize(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def _fake_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+extension.register_fake("gguf_linear", _fake_linear)

@@ -1,0 +1,128 @@
+"""GGUF block-quantized linear layers: the compiled kernel, its PyTorch fallback and an independent
+reference (gguf-py's own quantizer and dequantizer, float32 matmul) agree.
+
+Tolerances: the kernel and the fallback do the same arithmetic (int8 activations per block of 32,
+exact integer block sums, one float32 scale per block) in another order, so they agree to float32
+rounding (1e-5 of the output's scale). Against float32 activations the int8 rounding of x costs about
+0.5% of the output's norm (x is Gaussian here); 2% is the bound.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.model import quant
+from tandem.model.quant import NATIVE_FORMATS, QuantizedWeight, reference_linear
+from tandem.ops import extension
+
+FORMATS = [f.name for f in NATIVE_FORMATS.values()]
+ROWS = [1, 2, 3, 8, 32, 128, 512]
+kernel = pytest.mark.skipif(not extension.extension_available(), reason="compiled ops unavailable")
+
+
+def make_weight(fmt_name: str, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random weight quantized by gguf-py, and gguf-py's float32 dequantization of it."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[fmt_name]
+    rows = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05, qtype)
+    dense = torch.from_numpy(gguf.quants.dequantize(rows, qtype).astype(np.float32))
+    return QuantizedWeight.from_numpy(rows, quant.NATIVE_FORMATS[int(qtype)], in_features), dense
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def fallback(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The pure-PyTorch arithmetic, whatever the extension."""
+    dense = quant._torch_dequantize(w.data, w.fmt, w.in_features)
+    out = torch.nn.functional.linear(quant._torch_q8_roundtrip(x), dense, bias)
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_matches_gguf_py(fmt: str) -> None:
+    w, dense = make_weight(fmt, 37, 96, seed=1)
+    assert torch.equal(quant._torch_dequantize(w.data, w.fmt, w.in_features), dense)
+    assert torch.equal(w.dequantize(), dense)  # the kernel where it is built
+
+
+@kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(37, 96), (160, 64), (5, 288)], ids=["odd-out", "even", "few-out"])
+def test_kernel_matches_fallback_and_float_reference(fmt: str, rows: int, shape: tuple[int, int]) -> None:
+    out_features, in_features = shape
+    w, dense = make_weight(fmt, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, in_features, None)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    want = fallback(x, w)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert rel_err(got, x @ dense.T) < 0.02
+    # The many-rows path (one float32 GEMM on the same values) agrees as closely.
+    gemm = reference_linear(x, w)
+    assert (gemm - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_row_is_the_same_whatever_the_batch(fmt: str) -> None:
+    """A row's output does not depend on which rows share its call (tiles of 4 rows and their tails)."""
+    w, _ = make_weight(fmt, 50, 128, seed=3)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([torch.ops.tandem.gguf_linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(11)])
+    together = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, 128, None)
+    assert torch.equal(alone, together)
+
+
+@kernel
+def test_bias_bfloat16_and_leading_dims() -> None:
+    w, dense = make_weight("Q4_1", 40, 64, seed=4)
+    bias = torch.randn(40)
+    x = torch.randn(2, 3, 64)
+    got = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, 64, bias)
+    assert got.shape == (2, 3, 40)
+    assert (got - fallback(x, w, bias)).abs().max().item() <= 1e-5 * got.abs().max().item()
+    xb = x.bfloat16()
+    gotb = torch.ops.tandem.gguf_linear(xb, w.data, w.fmt.ggml_type, 64, bias)
+    assert gotb.dtype == torch.bfloat16
+    torch.testing.assert_close(gotb, fallback(xb, w, bias), atol=1e-2, rtol=1e-2)  # one bf16 rounding apart
+
+
+@kernel
+def test_roundtrip_kernel_equals_fallback() -> None:
+    x = torch.randn(7, 96) * torch.logspace(-3, 2, 96)
+    x[3, :32] = 0  # an all-zero block has scale 0
+    assert torch.equal(torch.ops.tandem.q8_roundtrip(x), quant._torch_q8_roundtrip(x))
+
+
+@kernel
+def test_kernel_rejects_a_mismatched_weight() -> None:
+    w, _ = make_weight("Q4_0", 8, 64, seed=5)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        torch.ops.tandem.gguf_linear(torch.randn(1, 64), w.data, quant.Q4_1.ggml_type, 64, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tandem.gguf_linear(torch.randn(1, 48), w.data[:, :27].contiguous(), w.fmt.ggml_type, 48, None)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.tandem.gguf_linear(torch.randn(1, 64), w.data, 12, 64, None)
+
+
+def test_quantized_linear_without_the_extension_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, dense = make_weight("Q8_0", 24, 64, seed=6)
+    x = torch.randn(5, 64)
+    monkeypatch.setattr(quant, "_kernel", lambda t: False)
+    assert torch.equal(quant.quantized_linear(x, w), fallback(x, w))
+    assert rel_err(quant.quantized_linear(x, w), x @ dense.T) < 0.02
+
+
+def test_fused_rows_concatenate() -> None:
+    a, da = make_weight("Q4_1", 8, 64, seed=7)
+    b, db = make_weight("Q4_1", 4, 64, seed=8)
+    assert torch.equal(quant.cat_rows([a, b]).dequantize(), torch.cat([da, db]))
+    c, _ = make_weight("Q8_0", 4, 64, seed=9)
+    with pytest.raises(ValueError, match="different formats"):
+        quant.cat_rows([a, c])
