@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from tandem.model.linear import DENSE, Linear, PackedBf16Method
 from tandem.model.packed_linear import (
     SMALL_BATCH_ROWS,
     PackedLinear,
-    pack_linears,
     packing_supported,
     small_batch_supported,
 )
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch
 def test_packed_matches_linear(bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear.weight, linear.bias)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = linear(x).float()
@@ -32,19 +32,21 @@ def test_packed_matches_linear(bias: bool, rows: int) -> None:
                                    atol=2e-2, rtol=2e-2)
 
 
-def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
-    model = nn.Module()
-    model.embed = nn.Embedding(50, 32, dtype=torch.bfloat16)
-    model.block = nn.Sequential(nn.Linear(32, 64, dtype=torch.bfloat16), nn.Linear(64, 32, dtype=torch.bfloat16))
-    model.head = nn.Linear(32, 50, bias=False, dtype=torch.bfloat16)
-    model.head.weight = model.embed.weight
+def test_the_packed_method_computes_what_the_dense_one_does_and_drops_the_plain_weight() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    layers = []
+    for method in (DENSE, PackedBf16Method()):
+        layer = Linear(32, 64, True, torch.bfloat16, method)
+        method.load(layer, [weight])
+        layer.bias.data.copy_(bias)
+        method.finish(layer)
+        layers.append(layer)
+    dense, packed = layers
+    assert packed.weight is None and packed.packed is not None
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
-        before = model.head(model.block(x)).float()
-        assert pack_linears(model) == 3
-        assert not any(isinstance(m, nn.Linear) for m in model.modules())
-        torch.testing.assert_close(model.head(model.block(x)).float(), before, atol=5e-2, rtol=5e-2)
-    assert model.embed.weight.shape == (50, 32)  # the embedding a tied head shared is untouched
+        torch.testing.assert_close(packed(x).float(), dense(x).float(), atol=5e-2, rtol=5e-2)
 
 
 small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batch_linear needs AVX512-BF16")
@@ -68,8 +70,8 @@ def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_f
         assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
         # fp32 accumulation rounded once to bf16: within one bf16 rounding of the exact result.
         torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=8e-3)
-        onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), PackedLinear(linear).packed_weight,
-                                                    linear.bias, "none", [], "")
+        packed = PackedLinear(linear.weight, linear.bias).packed_weight
+        onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, linear.bias, "none", [], "")
         assert (got.float() - onednn.float()).abs().max() <= 2 * (onednn.float().abs().max() * 2**-8)
 
 
@@ -77,7 +79,7 @@ def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_f
 def test_packed_linear_switches_paths_by_row_count_with_the_same_results() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True, dtype=torch.bfloat16)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear.weight, linear.bias)
     assert packed.panels is not None
     x = torch.randn(SMALL_BATCH_ROWS + 3, 128, dtype=torch.bfloat16)
     with torch.inference_mode():
