@@ -92,7 +92,7 @@ def print_floor(llm: LLM, rows: np.ndarray, prompt_lens: list[int], out_len: int
     arch = model.cfg
     linears = [(m, m.in_features) for layer in model.layers
                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype
     per_tokens: dict[int, float] = {}
     with torch.inference_mode():
         for t in sorted({int(x) for x in rows[:, 0]}):

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,48")
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="bfloat16")
+    llm = LLM(args.model, dtype="bfloat16", quantization="none")
     default_rows = packed_linear.SMALL_BATCH_ROWS
     layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, PackedLinear)]
     if not layers or layers[0].panels is None:
