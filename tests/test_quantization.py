@@ -1,0 +1,68 @@
+"""The default model with its weights as stored (Q4_1 layers, a Q8_0 embedding and tied head) against
+the same file dequantized to float32: a fraction of the bytes, nearly the same perplexity on a held-in
+text, and mostly the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_bytes
+from tandem.model.loader import ModelLoadError, load_model
+from tandem.model.quant import Q4_1, Q8_0, QuantizedWeight
+from tandem.model.scoring import perplexity
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "List three primary colours:", "The theory of relativity says"]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, object]:
+    return {q: load_model(None, torch.float32, quantization=q) for q in ("auto", "none")}
+
+
+def test_layers_hold_the_files_blocks(models) -> None:  # noqa: ANN001
+    quantized, dense = models["auto"].model, models["none"].model
+    layer = quantized.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.method == GGUFMethod(Q4_1) and linear.qdata.dtype == torch.uint8
+    assert quantized.embed_tokens.table.method == GGUFMethod(Q8_0)
+    assert quantized.lm_head.qdata.data_ptr() == quantized.embed_tokens.table.qdata.data_ptr()  # tied: one copy
+    assert weight_bytes(quantized) < 0.2 * weight_bytes(dense)
+    assert all(m.method is DENSE for m in dense.modules() if hasattr(m, "method"))
+    assert quantized.fingerprint != dense.fingerprint  # their KV differs: never shared between them
+
+
+def test_perplexity_within_one_percent_of_the_dequantized_model(models, passages) -> None:  # noqa: ANN001
+    ids = models["none"].tokenizer.encode(" ".join(passages))[:1024]
+    ppl = {q: perplexity(m.model, ids) for q, m in models.items()}
+    assert abs(ppl["auto"] / ppl["none"] - 1) < 0.01, ppl
+
+
+def test_greedy_tokens_mostly_agree_with_the_dequantized_model(make_llm, llm_fp32) -> None:  # noqa: ANN001
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    dense = make_llm(dtype="float32", quantization="none")
+    quantized, reference = llm_fp32.generate(PROMPTS, params), dense.generate(PROMPTS, params)
+    agreed = total = 0
+    for q, r in zip(quantized, reference, strict=True):
+        a, b = q.outputs[0].token_ids, r.outputs[0].token_ids
+        agreed += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))  # up to the first difference
+        total += len(b)
+    assert agreed / total >= 0.7, f"{agreed} of {total} tokens before the first divergence"
+
+
+def test_a_fused_layer_of_mixed_formats_is_dequantized() -> None:
+    q4 = QuantizedWeight(torch.zeros(4, 20, dtype=torch.uint8), Q4_1, 32)
+    q8 = QuantizedWeight(torch.zeros(4, 34, dtype=torch.uint8), Q8_0, 32)
+    parts = {"qkv": ["q", "k", "v"], "o": ["o"], "embed_tokens": ["e"]}
+    weights = {"q": q4, "k": q4, "v": q8, "o": q8, "e": torch.zeros(4, 32)}
+    plan = plan_linear_methods(parts, weights, torch.float32, torch.device("cpu"))
+    assert plan == {"qkv": DENSE, "o": GGUFMethod(Q8_0), "embed_tokens": DENSE}
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ModelLoadError, match="needs a GGUF file"):
+        load_model(str(tmp_path), torch.float32, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        load_model(None, torch.float32, quantization="int3")
