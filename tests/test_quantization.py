@@ -11,7 +11,7 @@ from tandem import SamplingParams
 from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_bytes
 from tandem.model.loader import ModelLoadError, load_model
 from tandem.model.quant import Q4_1, Q8_0, QuantizedWeight
-from tandem.model.scoring import perplexity
+from tandem.model.scoring import agreed_prefix, perplexity
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Once upon a time, in a small village,", "List three primary colours:", "The theory of relativity says"]
@@ -44,11 +44,8 @@ def test_greedy_tokens_mostly_agree_with_the_dequantized_model(make_llm, llm_fp3
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     dense = make_llm(dtype="float32", quantization="none")
     quantized, reference = llm_fp32.generate(PROMPTS, params), dense.generate(PROMPTS, params)
-    agreed = total = 0
-    for q, r in zip(quantized, reference, strict=True):
-        a, b = q.outputs[0].token_ids, r.outputs[0].token_ids
-        agreed += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))  # up to the first difference
-        total += len(b)
+    agreed, total = agreed_prefix([o.outputs[0].token_ids for o in quantized],
+                                  [o.outputs[0].token_ids for o in reference])
     assert agreed / total >= 0.7, f"{agreed} of {total} tokens before the first divergence"
 
 

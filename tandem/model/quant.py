@@ -122,18 +122,23 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm_rows() -> int:
-    # Past this many rows the kernel's integer dot products lose to one float32 GEMM on dequantized
-    # weights (bench/quant_linear.py measures the crossover).
-    return int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "48"))
+    # Past this many rows the kernel's integer dot products (~45 GFLOP/s a core on the AVX2 development
+    # machine) lose to dequantizing the layer and one float32 GEMM (~55-75 GFLOP/s a core, the
+    # dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
+    return int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
 
 
 GEMM_ROWS = _gemm_rows()
+# A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
+# fresh float32 copy (113 MB) costs more in page faults and memory traffic than the kernel's sums.
+MAX_DEQUANTIZED_WEIGHTS = 8 << 20
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
     rows = x.numel() // w.in_features
-    if _kernel(x) and rows <= GEMM_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+    small = rows <= GEMM_ROWS or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS
+    if _kernel(x) and small and x.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, w.in_features, bias)
     return reference_linear(x, w, bias)
 

@@ -34,3 +34,11 @@ def token_logprobs(model: LlamaForCausalLM, ids: list[int], kv_dtype: torch.dtyp
 
 def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
     return math.exp(-token_logprobs(model, ids).mean().item())
+
+
+def agreed_prefix(got: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
+    """(tokens before each sequence's first difference from its reference, reference tokens), summed: how
+    much of a greedy run another model reproduces (after a difference the contexts differ)."""
+    agreed = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(got, reference, strict=True))
+    return agreed, sum(len(b) for b in reference)

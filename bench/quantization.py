@@ -1,0 +1,235 @@
+"""Weights as stored (GGUF Q4_1 / Q8_0) against the same file dequantized to float32, on this machine's
+roofline: the linear kernels, decode steps, prompt steps, and what the quantization costs in accuracy.
+
+    .venv/bin/python bench/quantization.py                       # everything, ~10 min on 2 cores
+    .venv/bin/python bench/quantization.py --parts kernels,steps  # some of it
+
+Floors are measured here, in this run: the memory bandwidth (a streaming read of 1 GiB) and the
+float32 matmul rate (F.linear at 1,024 rows of the model's shapes). A decode step's roofline is the
+larger of its bytes (weights + every request's KV) at that bandwidth and its FLOPs at that rate.
+Results go to bench/results/quantization.json and docs/quantization.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from offline_throughput import decode_step_times
+from rich.console import Console
+from rich.table import Table
+
+from tandem import LLM
+from tandem.engine.request import Request
+from tandem.model.linear import Linear, weight_bytes
+from tandem.model.quant import QuantizedWeight, reference_linear
+from tandem.model.scoring import agreed_prefix, perplexity
+from tandem.sampling_params import SamplingParams
+
+console = Console(stderr=True)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def best(fn: Callable[[], object], reps: int = 5, min_s: float = 0.2) -> float:
+    """Best of reps timings of fn, each repeated to at least min_s."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    n = max(1, int(min_s / max(time.perf_counter() - t0, 1e-6)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n)
+    return min(times)
+
+
+def bandwidth() -> float:
+    """Bytes per second of a streaming read (sum of 1 GiB of float32)."""
+    x = torch.ones(2**28)
+    return x.numel() * 4 / best(lambda: x.sum(), reps=5, min_s=0.0)
+
+
+def matmul_rate(shapes: list[tuple[int, int]], rows: int = 1024) -> float:
+    """float32 FLOP/s of F.linear at `rows` rows over the model's (out, in) shapes."""
+    ws = [torch.randn(n, k) for n, k in shapes]
+    xs = [torch.randn(rows, k) for _, k in shapes]
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    return flops / best(lambda: [F.linear(x, w) for x, w in zip(xs, ws, strict=True)], reps=3)
+
+
+def model_linears(llm: LLM) -> list[Linear]:
+    model = llm.engine.core.runner.model
+    return [m for m in model.modules() if isinstance(m, Linear) and m is not model.embed_tokens.table]
+
+
+def kernels(quantized: LLM, rows_list: list[int]) -> list[dict]:
+    """Each distinct quantized layer shape: the kernel, the same arithmetic as dequantize + float32 GEMM,
+    and a dense float32 F.linear on the dequantized weight."""
+    seen: dict[tuple, QuantizedWeight] = {}
+    for m in model_linears(quantized):
+        w = m.quantized_weight()
+        seen.setdefault((w.fmt.name, w.out_features, w.in_features), w)
+    out = []
+    with torch.inference_mode():
+        for (fmt, n, k), w in seen.items():
+            dense = w.dequantize()
+            for rows in rows_list:
+                x = torch.randn(rows, k)
+                t_kernel = best(lambda x=x, w=w: torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type,
+                                                                              w.in_features, None))
+                t_gemm = best(lambda x=x, w=w: reference_linear(x, w))
+                t_dense = best(lambda x=x, dense=dense: F.linear(x, dense))
+                out.append({"format": fmt, "out": n, "in": k, "rows": rows, "kernel_ms": t_kernel * 1e3,
+                            "dequant_gemm_ms": t_gemm * 1e3, "dense_fp32_ms": t_dense * 1e3,
+                            "kernel_gb_s": w.data.numel() / t_kernel / 1e9,
+                            "kernel_gflop_s": 2 * rows * n * k / t_kernel / 1e9})
+    return out
+
+
+def step_flops_bytes(llm: LLM, batch: int, context: int) -> tuple[float, float]:
+    """FLOPs and bytes a decode step of `batch` requests at `context` tokens reads: every weight once (the
+    default model's lm_head is its embedding), each request's KV."""
+    model = llm.engine.core.runner.model
+    arch = model.cfg
+    params = sum(m.in_features * m.out_features for m in model_linears(llm))
+    attn = 4 * batch * context * arch.num_heads * arch.head_dim * arch.num_layers
+    kv = batch * context * arch.kv_bytes_per_token(llm.engine.config.model.dtype.itemsize)
+    return 2 * params * batch + attn, weight_bytes(model) + kv
+
+
+def steps(llms: dict[str, LLM], batches: list[int], context: int, bw: float, rate: float) -> list[dict]:
+    out = []
+    for name, llm in llms.items():
+        vocab = llm.get_tokenizer().vocab_size
+        for b in batches:
+            r = decode_step_times(llm, b, context, steps=8, vocab=vocab)
+            flops, nbytes = step_flops_bytes(llm, b, context)
+            floor_s = max(nbytes / bw, flops / rate)
+            r.update(weights=name, context=context, bytes=nbytes, flops=flops, roofline_ms=floor_s * 1e3,
+                     of_roofline=r["step_ms"] / (floor_s * 1e3))
+            out.append(r)
+            console.print(f"  {name} batch {b}: {r['step_ms']:.1f} ms, {r['of_roofline']:.2f}x its roofline")
+    return out
+
+
+def prompts(llms: dict[str, LLM], lengths: list[int], rate: float) -> list[dict]:
+    """One prompt per step, alone: the step's linear + attention FLOPs against the matmul rate."""
+    out = []
+    for name, llm in llms.items():
+        core = llm.engine.core
+        model = core.runner.model
+        arch = model.cfg
+        params = sum(m.in_features * m.out_features for m in model_linears(llm) if m is not model.lm_head)
+        for n in lengths:
+            core.scheduler.config.max_num_batched_tokens = n  # the whole prompt in one step
+            times = []
+            for rep in range(2):
+                ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(rep)).tolist()
+                core.add_request(Request(f"p{n}-{rep}", ids, SamplingParams(temperature=0, max_tokens=1)))
+                core.step()
+                times.append(core.last_step.total_s)
+                while core.scheduler.requests:
+                    core.step()
+            t = min(times)
+            flops = 2 * params * n + 2 * n * n * arch.num_heads * arch.head_dim * arch.num_layers  # causal QK^T, PV
+            out.append({"weights": name, "tokens": n, "step_s": t, "tokens_per_s": n / t,
+                        "gflop_s": flops / t / 1e9, "of_matmul_rate": flops / t / rate})
+            console.print(f"  {name} {n} tokens: {n / t:.0f} tok/s, {flops / t / rate:.2f} of the matmul rate")
+    return out
+
+
+def accuracy(llms: dict[str, LLM], passages: list[str]) -> dict:
+    tok = llms["none"].get_tokenizer()
+    ids = tok.encode(" ".join(passages))[:1024]
+    ppl = {name: perplexity(llm.engine.core.runner.model, ids) for name, llm in llms.items()}
+    prompts_ = [p[:200] for p in passages[:8]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {name: [o.outputs[0].token_ids for o in llm.generate(prompts_, params)] for name, llm in llms.items()}
+    agreed, total = agreed_prefix(outs["auto"], outs["none"])
+    return {"tokens": len(ids), "perplexity": ppl, "perplexity_ratio": ppl["auto"] / ppl["none"],
+            "greedy_agreement": agreed / total, "greedy_tokens": total}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, style in (("auto", "o-"), ("none", "s-")):
+        rows = [r for r in result["steps"] if r["weights"] == name]
+        if not rows:
+            continue
+        label = "Q4_1 as stored" if name == "auto" else "dequantized float32"
+        line = ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], style, label=label)[0]
+        ax.plot([r["batch"] for r in rows], [r["roofline_ms"] for r in rows], ":", color=line.get_color(),
+                label=f"{label}: roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch (context 256)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"Decode steps vs roofline ({result['bandwidth_gb_s']:.0f} GB/s, "
+                 f"{result['matmul_gflop_s']:.0f} GFLOP/s fp32)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="kernels,steps,prompts,accuracy")
+    ap.add_argument("--kernel-rows", default="1,2,4,8,16,32,48,64,128")
+    ap.add_argument("--step-batches", default="1,8,32,64,128")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--prompt-lengths", default="512,1024,2048,4096")
+    ap.add_argument("--out", default="bench/results/quantization.json")
+    ap.add_argument("--plot", default="docs/quantization.png")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    llms = {q: LLM(dtype="float32", quantization=q, kv_cache_memory=2.0, max_num_seqs=256,
+                   max_model_len=max(ints(args.prompt_lengths)) + 16)
+            for q in ("auto", "none")}
+    shapes = sorted({(m.out_features, m.in_features) for m in model_linears(llms["none"])})
+    result: dict = {"threads": torch.get_num_threads(), "bandwidth_gb_s": bandwidth() / 1e9,
+                    "matmul_gflop_s": matmul_rate(shapes) / 1e9,
+                    "weight_mib": {q: weight_bytes(llm.engine.core.runner.model) / 2**20 for q, llm in llms.items()}}
+    console.print(f"floors: {result['bandwidth_gb_s']:.1f} GB/s, {result['matmul_gflop_s']:.0f} GFLOP/s float32; "
+                  f"weights {result['weight_mib']}")
+    if "kernels" in parts:
+        result["kernels"] = kernels(llms["auto"], ints(args.kernel_rows))
+        t = Table("format", "out x in", "rows", "kernel ms", "GEMM ms", "dense ms", "kernel GB/s")
+        for r in result["kernels"]:
+            t.add_row(r["format"], f"{r['out']}x{r['in']}", str(r["rows"]), f"{r['kernel_ms']:.3f}",
+                      f"{r['dequant_gemm_ms']:.3f}", f"{r['dense_fp32_ms']:.3f}", f"{r['kernel_gb_s']:.1f}")
+        console.print(t)
+    if "steps" in parts:
+        result["steps"] = steps(llms, ints(args.step_batches), args.context, result["bandwidth_gb_s"] * 1e9,
+                                result["matmul_gflop_s"] * 1e9)
+    if "prompts" in parts:
+        result["prompts"] = prompts(llms, ints(args.prompt_lengths), result["matmul_gflop_s"] * 1e9)
+    if "accuracy" in parts:
+        passages = [p for p in (ROOT / "tests/data/passages.txt").read_text().splitlines() if p.strip()]
+        result["accuracy"] = accuracy(llms, passages)
+        console.print(result["accuracy"])
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    if "steps" in result:
+        plot(result, ROOT / args.plot)
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
