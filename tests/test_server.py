@@ -59,6 +59,12 @@ def test_models_and_completion_usage(client: openai.OpenAI, server: Server) -> N
     assert isinstance(detok["prompt"], str) and detok["prompt"]
     assert httpx.get(f"{server.url}/version").json()["version"]
     assert "/v1/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    # The default model's weights as stored: 4-bit layers and an 8-bit embedding, ~92 MiB (513 dequantized).
+    weights = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+               if line.startswith("tandem:model_weight_bytes{")]
+    assert len(weights) == 1 and 'formats="gguf-Q4_1,gguf-Q8_0"' in weights[0]
+    assert 50 * 2**20 < float(weights[0].rsplit(" ", 1)[1]) < 150 * 2**20
+    assert server.metric("kv_cache_bytes_per_token") == 30 * 2 * 3 * 64 * 4  # layers, K+V, KV heads, dims, fp32
 
 
 def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:

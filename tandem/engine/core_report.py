@@ -57,16 +57,23 @@ class CoreInfo:
     block_size: int = 16
     hash_algo: str = "sha256"
     block_nbytes: int = 0
+    # Memory: the bytes of the weights as held (quantized blocks, packed copies) and of one token's KV.
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    weight_formats: tuple[str, ...] = ()  # the linear methods in use (model/linear.py), e.g. gguf-Q4_1
 
 
 def core_info(core: Any, loaded: Any) -> CoreInfo:
     """core: an EngineCore; loaded: the LoadedModel it runs."""
+    from tandem.model.linear import weight_bytes, weight_formats
+
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cache = core.config.cache
+    per_token = loaded.arch.kv_bytes_per_token(core.config.model.dtype.itemsize)
     return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
-                    cache.block_size, cache.prefix_caching_hash_algo,
-                    loaded.arch.kv_bytes_per_token(core.config.model.dtype.itemsize) * cache.block_size)
+                    cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,
+                    weight_bytes(loaded.model), per_token, weight_formats(loaded.model))
 
 
 def core_stats(core: Any) -> CoreStats:

@@ -155,6 +155,11 @@ class Embedding(nn.Module):
         return F.embedding(ids, t.weight)
 
 
+def weight_formats(model: nn.Module) -> tuple[str, ...]:
+    """The linear methods a model's layers use, e.g. ("gguf-Q4_1", "gguf-Q8_0")."""
+    return tuple(sorted({m.method.name for m in model.modules() if isinstance(m, Linear)}))
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds, packed copies included (each storage once: a tied head
     is counted once); the rotary tables are not weights."""

@@ -23,7 +23,7 @@ from tandem.cache import cache_dir
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.layers import RotaryEmbedding
-from tandem.model.linear import QUANTIZATION_CHOICES, Weight, plan_linear_methods, weight_bytes
+from tandem.model.linear import QUANTIZATION_CHOICES, Weight, plan_linear_methods, weight_bytes, weight_formats
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.quant import QuantizedWeight, native_format
 
@@ -233,7 +233,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
-    kinds = sorted({m.name for m in methods.values()})
     log.info("%s: %.1f MiB of weights (%s), KV %d bytes per token", name, weight_bytes(net) / 2**20,
-             ", ".join(kinds), arch.kv_bytes_per_token(dtype.itemsize))
+             ", ".join(weight_formats(net)), arch.kv_bytes_per_token(dtype.itemsize))
     return LoadedModel(net, tokenizer, arch, path, name)

@@ -292,7 +292,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state["metrics"].render(engine.stats), media_type="text/plain; version=0.0.4")
+        return Response(state["metrics"].render(engine.stats, engine.info), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from tandem.engine.core_report import CoreStats
+from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.serve.store_metrics import StoreMetrics
 
 disable_created_metrics()  # as vLLM does: the *_created series only add noise
@@ -58,6 +58,10 @@ class ServerMetrics:
         self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.weight_bytes = Gauge("tandem:model_weight_bytes", "Bytes of the weights as one engine holds them, "
+                                  "by linear method (gguf-Q4_1: 4-bit blocks as stored).", ["model_name", "formats"],
+                                  registry=r)
+        self.kv_bytes_per_token = gauge("kv_cache_bytes_per_token", "Bytes of one token's KV, every layer.")
         self._last: CoreStats | None = None
         self.store = StoreMetrics(r, model_name)
         self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
@@ -110,8 +114,14 @@ class ServerMetrics:
         if timer.first_token is not None and timer.num_tokens > 1:
             self.tpot.labels(m).observe((now - timer.first_token) / (timer.num_tokens - 1))
 
-    def render(self, stats: CoreStats | None) -> bytes:
+    def observe_info(self, info: CoreInfo | None) -> None:
+        if info is not None and info.weight_bytes:
+            self.weight_bytes.labels(self.model_name, ",".join(info.weight_formats)).set(info.weight_bytes)
+            self.kv_bytes_per_token.labels(self.model_name).set(info.kv_bytes_per_token)
+
+    def render(self, stats: CoreStats | None, info: CoreInfo | None = None) -> bytes:
         self.observe_core(stats)
+        self.observe_info(info)
         for collect in self.collectors:
             collect()
         return generate_latest(self.registry)
