@@ -143,9 +143,25 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     return reference_linear(x, w, bias)
 
 
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def _dequantized(w: QuantizedWeight) -> torch.Tensor:
+    """w in float32, in this device's scratch buffer where the kernel runs (valid until the next call)."""
+    if not _kernel(w.data):
+        return w.dequantize()
+    n = w.out_features * w.in_features
+    buf = _scratch.get(w.data.device)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[w.data.device] = torch.empty(n, dtype=torch.float32, device=w.data.device)
+    out = buf[:n].view(w.out_features, w.in_features)
+    torch.ops.tandem.gguf_dequantize_into(out, w.data, w.fmt.ggml_type, w.in_features)
+    return out
+
+
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path."""
-    out = F.linear(q8_roundtrip(x), w.dequantize(), None if bias is None else bias.float())
+    out = F.linear(q8_roundtrip(x), _dequantized(w), None if bias is None else bias.float())
     return out.to(x.dtype)
 
 

@@ -317,10 +317,14 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
   }
 }
 
-at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t in_features) {
-  check_weight(w, qtype, in_features, "gguf_dequantize");
+// Into a caller's buffer: a GEMM caller reuses one scratch tensor per process instead of faulting in a
+// fresh one per layer and step (~0.5 ms of page faults for a 7 MB layer here).
+void gguf_dequantize_into(at::Tensor& out, const at::Tensor& w, int64_t qtype, int64_t in_features) {
+  check_weight(w, qtype, in_features, "gguf_dequantize_into");
   const int64_t N = w.size(0);
-  at::Tensor out = at::empty({N, in_features}, w.options().dtype(at::kFloat));
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                  out.size(1) == in_features,
+              "gguf_dequantize_into: out must be contiguous float32 [", N, ", ", in_features, "]");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -330,6 +334,12 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t in_featur
       default: dequantize_rows<kQ8_0>(wp, w.size(1), in_features, n0, n1, op); break;
     }
   });
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t in_features) {
+  check_weight(w, qtype, in_features, "gguf_dequantize");
+  at::Tensor out = at::empty({w.size(0), in_features}, w.options().dtype(at::kFloat));
+  gguf_dequantize_into(out, w, qtype, in_features);
   return out;
 }
 
@@ -358,11 +368,13 @@ at::Tensor q8_roundtrip(const at::Tensor& x_in) {
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int qtype, int in_features, Tensor? bias) -> Tensor");
   m.def("gguf_dequantize(Tensor w, int qtype, int in_features) -> Tensor");
+  m.def("gguf_dequantize_into(Tensor(a!) out, Tensor w, int qtype, int in_features) -> ()");
   m.def("q8_roundtrip(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("gguf_linear", &tandem_ops::gguf_linear);
   m.impl("gguf_dequantize", &tandem_ops::gguf_dequantize);
+  m.impl("gguf_dequantize_into", &tandem_ops::gguf_dequantize_into);
   m.impl("q8_roundtrip", &tandem_ops::q8_roundtrip);
 }
