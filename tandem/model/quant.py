@@ -6,13 +6,15 @@ permutation on the blocks themselves.
 
 The arithmetic is llama.cpp's: activations are quantized to int8 per block of 32 (q8_roundtrip gives
 the values that stand for them) and each block's dot product is exact in integers, scaled once. The
-compiled kernel (tandem/ops/quant_linear.cpp) does this for any number of rows, each row's result
-independent of the others; the PyTorch fallback here (any device) runs the same values through one
-float32 GEMM on the dequantized weight, equal to the kernel up to float32 rounding.
+compiled kernel (tandem/ops/quant_linear.cpp) does this for a few rows as one stream over the weight
+bytes; for many rows, where the matmul's FLOPs and not its bytes set the time, the same values go
+through one float32 GEMM on weights dequantized for that call (a layer's worth, transient). Both give
+each row the same result up to float32 rounding, and the PyTorch fallback here (any device) too.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,15 +121,24 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return _torch_q8_roundtrip(x)
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype.
+def _gemm_rows() -> int:
+    # Past this many rows the kernel's integer dot products (~45 GFLOP/s a core on the AVX2 development
+    # machine) lose to dequantizing the layer and one float32 GEMM (~55-75 GFLOP/s a core, the
+    # dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
+    return int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
 
-    The kernel takes every row count, prompt chunks included, although past ~32 rows a float32 GEMM on
-    the dequantized layer is ~1.4x faster here: the int8 rounding of the activations turns a GEMM's
-    rounding differences (they depend on the row count and the threads) into different tokens, and
-    outputs must not depend on chunking, batching or the cores a worker runs on. The kernel gives
-    each row the same bits whatever shares its call."""
-    if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
+
+GEMM_ROWS = _gemm_rows()
+# A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
+# fresh float32 copy (113 MB) costs more in page faults and memory traffic than the kernel's sums.
+MAX_DEQUANTIZED_WEIGHTS = 8 << 20
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
+    rows = x.numel() // w.in_features
+    small = rows <= GEMM_ROWS or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS
+    if _kernel(x) and small and x.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, w.in_features, bias)
     return reference_linear(x, w, bias)
 

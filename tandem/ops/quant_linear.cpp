@@ -16,8 +16,8 @@
 // rows (a few KB) stay in L1 while every activation row meets them, so W streams from memory once per
 // call. Threads split the weight rows.
 //
-// gguf_dequantize (float32 [N, K]) and q8_roundtrip (x quantized and dequantized as above) give the same
-// arithmetic as one float32 GEMM: the PyTorch fallback's path (tandem/model/quant.py).
+// gguf_dequantize (float32 [N, K]) and q8_roundtrip (x quantized and dequantized as above) let a caller
+// with many rows run the same arithmetic as one float32 GEMM (tandem/model/quant.py chooses).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -219,37 +219,29 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
 
 // Rows of x in groups of up to four, weight rows in pairs (four at a time for one row, where there
 // is no reuse of a weight block across rows and more independent accumulators keep the FMAs busy).
-// Many rows go in chunks of kChunkRows, so a chunk's int8 activations (<= 96 KB at 1,536 features)
-// stay in L2 while every weight row meets them; each chunk streams the weights once more (from L3 for a
-// layer of the default model). No output's sums depend on the chunk, the tile or the thread.
-constexpr int64_t kChunkRows = 64;
-
 template <int64_t QT>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t M, int64_t K, int64_t N,
                  float* y) {
   constexpr int64_t kNR = 2;
-  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
-    const int64_t c1 = std::min(M, c0 + kChunkRows);
-    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-      const int64_t n_end = std::min(N, t1 * 4);
-      for (int64_t n0 = t0 * 4; n0 < n_end;) {
-        if (c1 - c0 == 1 && n0 + 4 <= n_end) {
-          tile<QT, 1, 4>(w, row_bytes, a, K, c0, n0, y, N);
-          n0 += 4;
-          continue;
-        }
-        const bool pair = n0 + kNR <= n_end;
-        int64_t m0 = c0;
-        for (; m0 + 4 <= c1; m0 += 4) {
-          pair ? tile<QT, 4, kNR>(w, row_bytes, a, K, m0, n0, y, N) : tile<QT, 4, 1>(w, row_bytes, a, K, m0, n0, y, N);
-        }
-        for (; m0 < c1; ++m0) {
-          pair ? tile<QT, 1, kNR>(w, row_bytes, a, K, m0, n0, y, N) : tile<QT, 1, 1>(w, row_bytes, a, K, m0, n0, y, N);
-        }
-        n0 += pair ? kNR : 1;
+  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+    const int64_t n_end = std::min(N, t1 * 4);
+    for (int64_t n0 = t0 * 4; n0 < n_end;) {
+      if (M == 1 && n0 + 4 <= n_end) {
+        tile<QT, 1, 4>(w, row_bytes, a, K, 0, n0, y, N);
+        n0 += 4;
+        continue;
       }
-    });
-  }
+      const bool pair = n0 + kNR <= n_end;
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4) {
+        pair ? tile<QT, 4, kNR>(w, row_bytes, a, K, m0, n0, y, N) : tile<QT, 4, 1>(w, row_bytes, a, K, m0, n0, y, N);
+      }
+      for (; m0 < M; ++m0) {
+        pair ? tile<QT, 1, kNR>(w, row_bytes, a, K, m0, n0, y, N) : tile<QT, 1, 1>(w, row_bytes, a, K, m0, n0, y, N);
+      }
+      n0 += pair ? kNR : 1;
+    }
+  });
 }
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t in_features, const char* op) {
