@@ -153,8 +153,8 @@ def accuracy(llms: dict[str, LLM], passages: list[str]) -> dict:
     prompts_ = [p[:200] for p in passages[:8]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {name: [o.outputs[0].token_ids for o in llm.generate(prompts_, params)] for name, llm in llms.items()}
-    agreed, total = agreed_prefix(outs["auto"], outs["none"])
-    return {"tokens": len(ids), "perplexity": ppl, "perplexity_ratio": ppl["auto"] / ppl["none"],
+    agreed, total = agreed_prefix(outs["gguf"], outs["none"])
+    return {"tokens": len(ids), "perplexity": ppl, "perplexity_ratio": ppl["gguf"] / ppl["none"],
             "greedy_agreement": agreed / total, "greedy_tokens": total}
 
 
@@ -165,11 +165,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, style in (("auto", "o-"), ("none", "s-")):
+    for name, style in (("gguf", "o-"), ("none", "s-")):
         rows = [r for r in result["steps"] if r["weights"] == name]
         if not rows:
             continue
-        label = "Q4_1 as stored" if name == "auto" else "dequantized float32"
+        label = "Q4_1 as stored" if name == "gguf" else "dequantized float32"
         line = ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], style, label=label)[0]
         ax.plot([r["batch"] for r in rows], [r["roofline_ms"] for r in rows], ":", color=line.get_color(),
                 label=f"{label}: roofline")
@@ -199,7 +199,7 @@ def main() -> int:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     llms = {q: LLM(dtype="float32", quantization=q, kv_cache_memory=2.0, max_num_seqs=256,
                    max_model_len=max(ints(args.prompt_lengths)) + 16)
-            for q in ("auto", "none")}
+            for q in ("gguf", "none")}
     # The decoder layers' shapes: the lm_head at 1,024 rows would time a 200 MB output's page faults.
     head = llms["none"].engine.core.runner.model.lm_head
     shapes = sorted({(m.out_features, m.in_features) for m in model_linears(llms["none"]) if m is not head})
@@ -209,7 +209,7 @@ def main() -> int:
     console.print(f"floors: {result['bandwidth_gb_s']:.1f} GB/s, {result['matmul_gflop_s']:.0f} GFLOP/s float32; "
                   f"weights {result['weight_mib']}")
     if "kernels" in parts:
-        result["kernels"] = kernels(llms["auto"], ints(args.kernel_rows))
+        result["kernels"] = kernels(llms["gguf"], ints(args.kernel_rows))
         t = Table("format", "out x in", "rows", "kernel ms", "GEMM ms", "dense ms", "kernel GB/s")
         for r in result["kernels"]:
             t.add_row(r["format"], f"{r['out']}x{r['in']}", str(r["rows"]), f"{r['kernel_ms']:.3f}",

@@ -57,7 +57,7 @@ def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
     if name == "llama.cpp":
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
                 "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "--no-webui"]
-    quantization = "auto" if name == "tandem" else "none"
+    quantization = "gguf" if name == "tandem" else "none"
     return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto",
             "--quantization", quantization, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
             *shlex.split(args.tandem_args)]

@@ -20,9 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
-                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight), a directory "
-                        "dense; none: dequantize to --dtype")
+    p.add_argument("--quantization", default="none", choices=["none", "gguf"],
+                   help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight); none: "
+                        "dequantize to --dtype")
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)

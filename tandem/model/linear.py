@@ -25,7 +25,7 @@ from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, quantized
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
-QUANTIZATION_CHOICES = ("auto", "gguf", "none")
+QUANTIZATION_CHOICES = ("none", "gguf")
 
 
 def dense(weight: Weight) -> torch.Tensor:

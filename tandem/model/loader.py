@@ -207,9 +207,9 @@ def load_tokenizer(model: str | None) -> Any | None:
 # -- entry point --------------------------------------------------------------------------------
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "auto") -> LoadedModel:
-    """quantization: "auto" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored and a directory
-    dense; "gguf" insists on a GGUF file; "none" dequantizes everything to dtype."""
+               quantization: str = "none") -> LoadedModel:
+    """quantization: "gguf" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored (a directory is
+    refused); "none" dequantizes everything to dtype."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     path = resolve_model_path(model)
@@ -218,7 +218,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
             raise ModelLoadError(f"--quantization gguf needs a GGUF file; {path} is a directory")
         arch, weights = load_hf_weights(path)
     elif path.suffix == ".gguf":
-        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none")
+        arch, weights = load_gguf_weights(path, keep_quantized=quantization == "gguf")
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
