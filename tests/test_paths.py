@@ -116,6 +116,9 @@ def test_the_disaggregated_policy_always_uses_a_pair_when_there_is_one() -> None
     assert c.choose(8)[0] == "disaggregated"
     only_decode = Cluster("decode", paths="disaggregated")
     assert only_decode.choose(8) == ("colocated", None, "decode-0")
+    # A colocated worker and a decode worker are a pair as well (the planner's colocated -> decode flip).
+    mixed = Cluster("colocated", "decode", paths="disaggregated")
+    assert mixed.choose(8) == ("disaggregated", "colocated-0", "decode-1")
 
 
 def test_colocated_workers_prefill_for_decode_workers() -> None:

@@ -105,8 +105,9 @@ class Dispatcher:
             out.append(PathOption("prefill-free", None, decode.worker,
                                   *predict_prefill_free(reg.speed(decode.worker), tail)))
         # Each pool is picked from once: a pick may advance its pool's round-robin turn.
+        # A colocated worker prefills for a decode worker under either policy: that is a pair too.
         predicts = self.path_policy == "slo"
-        prefill = pick(reg.routable(*(PREFILL_CAPABLE if predicts else ("prefill",)))) if decode is not None else None
+        prefill = pick(reg.routable(*PREFILL_CAPABLE)) if decode is not None else None
         whole: list[Pick] = []
         if predicts or prefill is None:  # disaggregated: run whole only without a pair
             whole = [p for p in (pick(reg.routable("colocated")), decode) if p is not None]
