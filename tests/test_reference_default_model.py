@@ -1,5 +1,5 @@
 """Greedy float32 decoding matches Hugging Face transformers token for token on the default model,
-for one batch of prompts from 1 to over 1,000 tokens: with the default budget, with a 32-token
+for one batch of prompts from 1 to over 1,000 tokens: with the default budget, with a 64-token
 budget (every long prompt is chunked), and with a pool so small that requests are preempted."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {},
-    {"max_num_batched_tokens": 32},
+    {"max_num_batched_tokens": 64},
     {"num_blocks": 90, "max_num_batched_tokens": 256},
-], ids=["default", "chunked-32", "preempting"])
+], ids=["default", "chunked-64", "preempting"])
 def test_greedy_matches_transformers(make_llm, prompts, reference, options) -> None:  # noqa: ANN001
     llm = make_llm(dtype="float32", enable_prefix_caching=False, **options)
     outs = llm.generate(prompts, PARAMS)
