@@ -161,10 +161,10 @@ def test_streaming_through_the_router_equals_non_streaming(disagg_server: Server
     wait_blocks_free(s)
 
 
-def _stream_until_error(url: str, model: str, result: dict, key: int) -> None:
+def _stream_until_error(url: str, model: str, result: dict, key: int, max_tokens: int) -> None:
     """Stream a long generation; record when it ended and whether with an error."""
-    body = {"model": model, "prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": "Tell me a long story about a dragon.", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     t_first = None
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
@@ -179,10 +179,11 @@ def _stream_until_error(url: str, model: str, result: dict, key: int) -> None:
         result[key] = ("error", time.monotonic())
 
 
-def _start_streams(url: str, model: str, results: dict[int, tuple[str, float]]) -> list:
+def _start_streams(url: str, model: str, results: dict[int, tuple[str, float]], max_tokens: int = 400) -> list:
     import threading
 
-    threads = [threading.Thread(target=_stream_until_error, args=(url, model, results, i)) for i in range(3)]
+    threads = [threading.Thread(target=_stream_until_error, args=(url, model, results, i, max_tokens))
+               for i in range(3)]
     for t in threads:
         t.start()
     return threads
@@ -236,7 +237,8 @@ def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str]) 
         model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
         long = " ".join(passages)[:3000]
         results: dict[int, tuple[str, float]] = {}
-        threads = _start_streams(s.url, model, results)
+        # 160 tokens outlast the kill (~6 s in) on one core, and the retried prompts slow them further.
+        threads = _start_streams(s.url, model, results, max_tokens=160)
         time.sleep(4)  # streams are decoding by now
 
         async def prompts_in_flight() -> list[int]:

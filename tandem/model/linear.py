@@ -142,11 +142,6 @@ class Embedding(nn.Module):
         super().__init__()
         self.table = Linear(dim, num_embeddings, bias=False, dtype=dtype, method=method)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dense table (a tied lm_head shares it); only for a dense method."""
-        return self.table.weight
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
         if isinstance(t.method, GGUFMethod):
@@ -161,14 +156,11 @@ def weight_formats(model: nn.Module) -> tuple[str, ...]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds, packed copies included (each storage once: a tied head
-    is counted once); the rotary tables are not weights."""
+    """Bytes of every weight the model holds, packed copies included (they are buffers of the packed
+    submodules); each storage once, so a tied head is counted once; the rotary tables are not weights."""
     seen: set[int] = set()
     total = 0
-    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]
-    tensors += [b for m in model.modules() if isinstance(m, Linear) and hasattr(m, "packed")
-                for b in m.packed.buffers() if b is not None]
-    for t in tensors:
+    for t in [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)

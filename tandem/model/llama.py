@@ -170,11 +170,10 @@ class LlamaForCausalLM(nn.Module):
                 m.method.finish(m)
 
     def _tie_head(self) -> None:
-        """The lm_head reads the embedding's own storage."""
+        """The lm_head reads the embedding's own storage (plan_linear_methods gives a quantized table's
+        head the same format; a dense table's head may pack its own copy)."""
         table = self.embed_tokens.table
-        if type(self.lm_head.method) is not type(table.method) and table.method.name != "dense":
-            raise ValueError("a tied lm_head must hold its weight as the embedding does")
-        if hasattr(table, "qdata") and hasattr(self.lm_head, "qdata"):
+        if hasattr(table, "qdata"):
             self.lm_head.qdata = table.qdata
         else:
             self.lm_head.weight = table.weight

@@ -121,14 +121,10 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return _torch_q8_roundtrip(x)
 
 
-def _gemm_rows() -> int:
-    # Past this many rows the kernel's integer dot products (~45 GFLOP/s a core on the AVX2 development
-    # machine) lose to dequantizing the layer and one float32 GEMM (~55-75 GFLOP/s a core, the
-    # dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
-    return int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
-
-
-GEMM_ROWS = _gemm_rows()
+# Past this many rows the kernel's integer dot products (~45 GFLOP/s a core on the AVX2 development
+# machine) lose to dequantizing the layer and one float32 GEMM (~55-75 GFLOP/s a core, the
+# dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
+GEMM_ROWS = int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
 # A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
 # fresh float32 copy (113 MB) costs more in page faults and memory traffic than the kernel's sums.
 MAX_DEQUANTIZED_WEIGHTS = 8 << 20
