@@ -1,13 +1,15 @@
-"""Weights as stored (GGUF Q4_1 / Q8_0) against the same file dequantized to float32, on this machine's
-roofline: the linear kernels, decode steps, prompt steps, and what the quantization costs in accuracy.
+"""Weights as stored (GGUF Q4_1 / Q8_0, activations in float or int8) against the same file dequantized,
+on this machine's roofline: the linear kernels, decode steps, prompt steps, and what the quantization
+costs in accuracy.
 
-    .venv/bin/python bench/quantization.py                       # everything, ~10 min on 2 cores
+    .venv/bin/python bench/quantization.py                       # everything, ~12 min on 2 cores
     .venv/bin/python bench/quantization.py --parts kernels,steps  # some of it
+    .venv/bin/python bench/quantization.py --dtype bfloat16       # the model's dtype (default float32)
 
 Floors are measured here, in this run: the memory bandwidth (a streaming read of 1 GiB) and the
-float32 matmul rate (F.linear at 1,024 rows of the model's shapes). A decode step's roofline is the
-larger of its bytes (weights + every request's KV) at that bandwidth and its FLOPs at that rate.
-Results go to bench/results/quantization.json and docs/quantization.png.
+matmul rate in the model's dtype (F.linear at 1,024 rows of the model's shapes). A decode step's
+roofline is the larger of its bytes (weights + every request's KV) at that bandwidth and its FLOPs at
+that rate. Results go to bench/results/quantization.json and docs/quantization.png.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem import LLM
+from tandem.config import parse_dtype
 from tandem.engine.request import Request
 from tandem.model.linear import Linear, weight_bytes
 from tandem.model.quant import QuantizedWeight, reference_linear
@@ -57,10 +60,10 @@ def bandwidth() -> float:
     return x.numel() * 4 / best(lambda: x.sum(), reps=5, min_s=0.0)
 
 
-def matmul_rate(shapes: list[tuple[int, int]], rows: int = 1024) -> float:
-    """float32 FLOP/s of F.linear at `rows` rows over the model's (out, in) shapes."""
-    ws = [torch.randn(n, k) for n, k in shapes]
-    xs = [torch.randn(rows, k) for _, k in shapes]
+def matmul_rate(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 1024) -> float:
+    """FLOP/s of F.linear in dtype at `rows` rows over the model's (out, in) shapes."""
+    ws = [torch.randn(n, k, dtype=dtype) for n, k in shapes]
+    xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
     flops = sum(2 * rows * n * k for n, k in shapes)
     return flops / best(lambda: [F.linear(x, w) for x, w in zip(xs, ws, strict=True)], reps=3)
 
@@ -71,8 +74,8 @@ def model_linears(llm: LLM) -> list[Linear]:
 
 
 def kernels(quantized: LLM, rows_list: list[int]) -> list[dict]:
-    """Each distinct quantized layer shape: the kernel, the same arithmetic as dequantize + float32 GEMM,
-    and a dense float32 F.linear on the dequantized weight."""
+    """Each distinct quantized layer shape, float32 x: both kernels (float and int8 activations), the
+    float arithmetic as dequantize + float32 GEMM, and a dense float32 F.linear on the dequantized weight."""
     seen: dict[tuple, QuantizedWeight] = {}
     for m in model_linears(quantized):
         w = m.quantized_weight()
@@ -83,13 +86,13 @@ def kernels(quantized: LLM, rows_list: list[int]) -> list[dict]:
             dense = w.dequantize()
             for rows in rows_list:
                 x = torch.randn(rows, k)
-                t_kernel = best(lambda x=x, w=w: torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type,
-                                                                              w.in_features, None))
+                t_kernel, t_q8 = (best(lambda x=x, w=w, op=op: op(x, w.data, w.fmt.ggml_type, w.in_features, None))
+                                  for op in (torch.ops.tandem.gguf_linear, torch.ops.tandem.gguf_linear_q8))
                 t_gemm = best(lambda x=x, w=w: reference_linear(x, w))
                 t_dense = best(lambda x=x, dense=dense: F.linear(x, dense))
                 out.append({"format": fmt, "out": n, "in": k, "rows": rows, "kernel_ms": t_kernel * 1e3,
-                            "dequant_gemm_ms": t_gemm * 1e3, "dense_fp32_ms": t_dense * 1e3,
-                            "kernel_gb_s": w.data.numel() / t_kernel / 1e9,
+                            "kernel_q8_ms": t_q8 * 1e3, "dequant_gemm_ms": t_gemm * 1e3,
+                            "dense_fp32_ms": t_dense * 1e3, "kernel_gb_s": w.data.numel() / t_kernel / 1e9,
                             "kernel_gflop_s": 2 * rows * n * k / t_kernel / 1e9})
     return out
 
@@ -153,9 +156,14 @@ def accuracy(llms: dict[str, LLM], passages: list[str]) -> dict:
     prompts_ = [p[:200] for p in passages[:8]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {name: [o.outputs[0].token_ids for o in llm.generate(prompts_, params)] for name, llm in llms.items()}
-    agreed, total = agreed_prefix(outs["gguf"], outs["none"])
-    return {"tokens": len(ids), "perplexity": ppl, "perplexity_ratio": ppl["gguf"] / ppl["none"],
-            "greedy_agreement": agreed / total, "greedy_tokens": total}
+    result: dict = {"tokens": len(ids), "perplexity": ppl, "greedy_tokens": 0, "perplexity_ratio": {},
+                    "greedy_agreement": {}}
+    for name in ("gguf", "gguf-q8"):
+        agreed, total = agreed_prefix(outs[name], outs["none"])
+        result["perplexity_ratio"][name] = ppl[name] / ppl["none"]
+        result["greedy_agreement"][name] = agreed / total
+        result["greedy_tokens"] = total
+    return result
 
 
 def plot(result: dict, path: Path) -> None:
@@ -165,11 +173,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, style in (("gguf", "o-"), ("none", "s-")):
+    labels = {"gguf": "Q4_1 as stored", "gguf-q8": "Q4_1 as stored, int8 activations",
+              "none": f"dequantized {result['dtype']}"}
+    for name, style in (("gguf", "o-"), ("gguf-q8", "^-"), ("none", "s-")):
         rows = [r for r in result["steps"] if r["weights"] == name]
         if not rows:
             continue
-        label = "Q4_1 as stored" if name == "gguf" else "dequantized float32"
+        label = labels[name]
         line = ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], style, label=label)[0]
         ax.plot([r["batch"] for r in rows], [r["roofline_ms"] for r in rows], ":", color=line.get_color(),
                 label=f"{label}: roofline")
@@ -178,7 +188,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("decode batch (context 256)")
     ax.set_ylabel("step time (ms)")
     ax.set_title(f"Decode steps vs roofline ({result['bandwidth_gb_s']:.0f} GB/s, "
-                 f"{result['matmul_gflop_s']:.0f} GFLOP/s fp32)")
+                 f"{result['matmul_gflop_s']:.0f} GFLOP/s {result['dtype']})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -191,29 +201,33 @@ def main() -> int:
     ap.add_argument("--kernel-rows", default="1,2,4,8,16,32,48,64,128")
     ap.add_argument("--step-batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--prompt-lengths", default="512,1024,2048,4096")
     ap.add_argument("--out", default="bench/results/quantization.json")
     ap.add_argument("--plot", default="docs/quantization.png")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    llms = {q: LLM(dtype="float32", quantization=q, kv_cache_memory=2.0, max_num_seqs=256,
+    dtype = parse_dtype(args.dtype)
+    llms = {q: LLM(dtype=dtype, quantization=q, kv_cache_memory=2.0, max_num_seqs=256,
                    max_model_len=max(ints(args.prompt_lengths)) + 16)
-            for q in ("gguf", "none")}
+            for q in ("gguf", "gguf-q8", "none")}
     # The decoder layers' shapes: the lm_head at 1,024 rows would time a 200 MB output's page faults.
     head = llms["none"].engine.core.runner.model.lm_head
     shapes = sorted({(m.out_features, m.in_features) for m in model_linears(llms["none"]) if m is not head})
-    result: dict = {"threads": torch.get_num_threads(), "bandwidth_gb_s": bandwidth() / 1e9,
-                    "matmul_gflop_s": matmul_rate(shapes) / 1e9,
+    result: dict = {"threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+                    "bandwidth_gb_s": bandwidth() / 1e9, "matmul_gflop_s": matmul_rate(shapes, dtype) / 1e9,
                     "weight_mib": {q: weight_bytes(llm.engine.core.runner.model) / 2**20 for q, llm in llms.items()}}
-    console.print(f"floors: {result['bandwidth_gb_s']:.1f} GB/s, {result['matmul_gflop_s']:.0f} GFLOP/s float32; "
+    console.print(f"floors: {result['bandwidth_gb_s']:.1f} GB/s, {result['matmul_gflop_s']:.0f} GFLOP/s {dtype}; "
                   f"weights {result['weight_mib']}")
     if "kernels" in parts:
         result["kernels"] = kernels(llms["gguf"], ints(args.kernel_rows))
-        t = Table("format", "out x in", "rows", "kernel ms", "GEMM ms", "dense ms", "kernel GB/s")
+        t = Table("format", "out x in", "rows", "kernel ms", "int8-act kernel ms", "GEMM ms", "dense ms",
+                  "kernel GB/s")
         for r in result["kernels"]:
             t.add_row(r["format"], f"{r['out']}x{r['in']}", str(r["rows"]), f"{r['kernel_ms']:.3f}",
-                      f"{r['dequant_gemm_ms']:.3f}", f"{r['dense_fp32_ms']:.3f}", f"{r['kernel_gb_s']:.1f}")
+                      f"{r['kernel_q8_ms']:.3f}", f"{r['dequant_gemm_ms']:.3f}", f"{r['dense_fp32_ms']:.3f}",
+                      f"{r['kernel_gb_s']:.1f}")
         console.print(t)
     if "steps" in parts:
         result["steps"] = steps(llms, ints(args.step_batches), args.context, result["bandwidth_gb_s"] * 1e9,

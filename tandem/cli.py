@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from tandem.config import CacheConfig, SchedulerConfig
+from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, SchedulerConfig
 from tandem.serve.admission import AdmissionSettings
 
 
@@ -20,9 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default="none", choices=["none", "gguf"],
-                   help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight); none: "
-                        "dequantize to --dtype")
+    p.add_argument("--quantization", default=ModelConfig.quantization, choices=QUANTIZATION_CHOICES,
+                   help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight), activations "
+                        "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
+                        "dequantize to --dtype. A model directory is dense either way")
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)

@@ -9,6 +9,13 @@ import torch
 
 from tandem.kv.store.tiered import StoreSettings
 
+# How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
+#   gguf     as stored (Q4_0 / Q4_1 / Q8_0), multiplied with activations in float
+#   gguf-q8  as stored, activations rounded to int8 per block (llama.cpp's arithmetic; see
+#            tandem/model/quant.py for why it is not the default)
+#   none     dequantized to the model's dtype
+QUANTIZATION_CHOICES = ("gguf", "gguf-q8", "none")
+
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -42,10 +49,7 @@ class ModelConfig:
 
     model: str | None = None  # GGUF file, HF directory, or None for the default model
     dtype: torch.dtype = field(default_factory=auto_dtype)
-    # "gguf": a GGUF file's Q4_0 / Q4_1 / Q8_0 weights served as stored; "none": dequantized to dtype.
-    # Not yet the default: the int8 rounding of activations turns the attention kernels' rounding
-    # differences between batch shapes into different greedy tokens (README, "Quantized weights").
-    quantization: str = "none"
+    quantization: str = "gguf"  # one of QUANTIZATION_CHOICES
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
     seed: int = 0
@@ -124,8 +128,9 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.model.quantization not in ("gguf", "none"):
-            raise ValueError(f"quantization must be gguf or none, got {self.model.quantization!r}")
+        if self.model.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.model.quantization!r}")
         if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:

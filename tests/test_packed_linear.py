@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.model.linear import DENSE, Linear, PackedBf16Method
+from tandem.model.linear import DENSE, Linear, PackedBf16Method, weight_bytes
 from tandem.model.packed_linear import (
     SMALL_BATCH_ROWS,
     PackedLinear,
@@ -47,6 +47,10 @@ def test_the_packed_method_computes_what_the_dense_one_does_and_drops_the_plain_
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x).float(), dense(x).float(), atol=5e-2, rtol=5e-2)
+    # Its bytes: the oneDNN copy (an opaque tensor), the small-batch panels where built, and the bias.
+    copies = 1 if packed.packed.panels is None else 2
+    assert weight_bytes(packed) == copies * 64 * 32 * 2 + 64 * 2
+    assert weight_bytes(dense) == 64 * 32 * 2 + 64 * 2
 
 
 small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batch_linear needs AVX512-BF16")

@@ -1,10 +1,12 @@
-"""GGUF block-quantized linear layers: the compiled kernel, its PyTorch fallback and an independent
+"""GGUF block-quantized linear layers: the compiled kernels, their PyTorch fallbacks and an independent
 reference (gguf-py's own quantizer and dequantizer, float32 matmul) agree.
 
-Tolerances: the kernel and the fallback do the same arithmetic (int8 activations per block of 32,
-exact integer block sums, one float32 scale per block) in another order, so they agree to float32
-rounding (1e-5 of the output's scale). Against float32 activations the int8 rounding of x costs about
-0.5% of the output's norm (x is Gaussian here); 2% is the bound.
+Two arithmetics (tandem/model/quant.py):
+- float: x times the dequantized weights, in float32. Kernel, fallback and the reference compute the
+  same products in other orders, so they agree to float32 rounding (1e-5 of the output's scale).
+- int8: x rounded to int8 per block of 32, exact integer block sums, one float32 scale per block.
+  Kernel and fallback agree to float32 rounding; against float32 activations the int8 rounding of x
+  costs about 0.5% of the output's norm (x is Gaussian here); 2% is the bound.
 """
 
 from __future__ import annotations
@@ -36,11 +38,24 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def fallback(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+ARITHMETICS = {"float": False, "int8": True}  # name -> int8_activations
+
+
+def op(int8: bool):  # noqa: ANN201 (a torch op)
+    return torch.ops.tandem.gguf_linear_q8 if int8 else torch.ops.tandem.gguf_linear
+
+
+def fallback(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
     """The pure-PyTorch arithmetic, whatever the extension."""
     dense = quant._torch_dequantize(w.data, w.fmt, w.in_features)
-    out = torch.nn.functional.linear(quant._torch_q8_roundtrip(x), dense, bias)
+    xf = quant._torch_q8_roundtrip(x) if int8 else x.float()
+    out = torch.nn.functional.linear(xf, dense, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float32 rounding of sums in another order."""
+    return (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -51,46 +66,62 @@ def test_dequantize_matches_gguf_py(fmt: str) -> None:
 
 
 @kernel
+@pytest.mark.parametrize("arith", ARITHMETICS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", [(37, 96), (160, 64), (5, 288)], ids=["odd-out", "even", "few-out"])
-def test_kernel_matches_fallback_and_float_reference(fmt: str, rows: int, shape: tuple[int, int]) -> None:
+def test_kernel_matches_fallback_and_float_reference(arith: str, fmt: str, rows: int, shape: tuple[int, int]) -> None:
+    int8 = ARITHMETICS[arith]
     out_features, in_features = shape
     w, dense = make_weight(fmt, out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    got = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, in_features, None)
+    got = op(int8)(x, w.data, w.fmt.ggml_type, in_features, None)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
-    want = fallback(x, w)
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    assert rel_err(got, x @ dense.T) < 0.02
+    want = fallback(x, w, int8=int8)
+    assert close(got, want)
+    if int8:
+        assert rel_err(got, x @ dense.T) < 0.02
+    else:
+        assert close(got, x @ dense.T)  # gguf-py's dequantization: the same weights exactly
     # The many-rows path (one float32 GEMM on the same values) agrees as closely.
-    gemm = reference_linear(x, w)
-    assert (gemm - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert close(reference_linear(x, w, int8_activations=int8), want)
 
 
 @kernel
+@pytest.mark.parametrize("arith", ARITHMETICS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_row_is_the_same_whatever_the_batch(fmt: str) -> None:
-    """A row's output does not depend on which rows share its call (tiles of 4 rows and their tails)."""
+def test_each_row_is_the_same_whatever_the_batch_and_threads(arith: str, fmt: str) -> None:
+    """A row's output does not depend on which rows share its call (tiles of 4 rows and their tails)
+    nor on the thread count: bit for bit."""
+    linear = op(ARITHMETICS[arith])
     w, _ = make_weight(fmt, 50, 128, seed=3)
     x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([torch.ops.tandem.gguf_linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(11)])
-    together = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, 128, None)
+    alone = torch.cat([linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(11)])
+    together = linear(x, w.data, w.fmt.ggml_type, 128, None)
     assert torch.equal(alone, together)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = linear(x, w.data, w.fmt.ggml_type, 128, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
 
 
 @kernel
-def test_bias_bfloat16_and_leading_dims() -> None:
+@pytest.mark.parametrize("arith", ARITHMETICS)
+def test_bias_bfloat16_and_leading_dims(arith: str) -> None:
+    int8 = ARITHMETICS[arith]
     w, dense = make_weight("Q4_1", 40, 64, seed=4)
     bias = torch.randn(40)
     x = torch.randn(2, 3, 64)
-    got = torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, 64, bias)
+    got = op(int8)(x, w.data, w.fmt.ggml_type, 64, bias)
     assert got.shape == (2, 3, 40)
-    assert (got - fallback(x, w, bias)).abs().max().item() <= 1e-5 * got.abs().max().item()
+    assert close(got, fallback(x, w, bias, int8))
     xb = x.bfloat16()
-    gotb = torch.ops.tandem.gguf_linear(xb, w.data, w.fmt.ggml_type, 64, bias)
+    gotb = op(int8)(xb, w.data, w.fmt.ggml_type, 64, bias)
     assert gotb.dtype == torch.bfloat16
-    torch.testing.assert_close(gotb, fallback(xb, w, bias), atol=1e-2, rtol=1e-2)  # one bf16 rounding apart
+    torch.testing.assert_close(gotb, fallback(xb, w, bias, int8), atol=1e-2, rtol=1e-2)  # one bf16 rounding apart
 
 
 @kernel
@@ -101,22 +132,31 @@ def test_roundtrip_kernel_equals_fallback() -> None:
 
 
 @kernel
-def test_kernel_rejects_a_mismatched_weight() -> None:
+@pytest.mark.parametrize("arith", ARITHMETICS)
+def test_kernel_rejects_a_mismatched_weight(arith: str) -> None:
+    linear = op(ARITHMETICS[arith])
     w, _ = make_weight("Q4_0", 8, 64, seed=5)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        torch.ops.tandem.gguf_linear(torch.randn(1, 64), w.data, quant.Q4_1.ggml_type, 64, None)
+        linear(torch.randn(1, 64), w.data, quant.Q4_1.ggml_type, 64, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.tandem.gguf_linear(torch.randn(1, 48), w.data[:, :27].contiguous(), w.fmt.ggml_type, 48, None)
+        linear(torch.randn(1, 48), w.data[:, :27].contiguous(), w.fmt.ggml_type, 48, None)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        torch.ops.tandem.gguf_linear(torch.randn(1, 64), w.data, 12, 64, None)
+        linear(torch.randn(1, 64), w.data, 12, 64, None)
+    with pytest.raises(RuntimeError, match="features, expected"):
+        linear(torch.randn(1, 96), w.data, w.fmt.ggml_type, 64, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        linear(torch.randn(1, 64).double(), w.data, w.fmt.ggml_type, 64, None)
 
 
-def test_quantized_linear_without_the_extension_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arith", ARITHMETICS)
+def test_quantized_linear_without_the_extension_is_the_fallback(arith: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    int8 = ARITHMETICS[arith]
     w, dense = make_weight("Q8_0", 24, 64, seed=6)
     x = torch.randn(5, 64)
     monkeypatch.setattr(quant, "_kernel", lambda t: False)
-    assert torch.equal(quant.quantized_linear(x, w), fallback(x, w))
-    assert rel_err(quant.quantized_linear(x, w), x @ dense.T) < 0.02
+    got = quant.quantized_linear(x, w, int8_activations=int8)
+    assert torch.equal(got, fallback(x, w, int8=int8))
+    assert rel_err(got, x @ dense.T) < (0.02 if int8 else 1e-6)
 
 
 def test_fused_rows_concatenate() -> None:

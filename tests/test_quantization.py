@@ -1,6 +1,8 @@
 """The default model with its weights as stored (Q4_1 layers, a Q8_0 embedding and tied head) against
-the same file dequantized to float32: a fraction of the bytes, nearly the same perplexity on a held-in
-text, and mostly the same greedy tokens."""
+the same file dequantized to float32: a fraction of the bytes. With activations in float (the
+default) it computes the dequantized model's products in another order: the same greedy tokens and
+perplexity. With int8 activations (llama.cpp's arithmetic) nearly the same perplexity on a held-in
+text and mostly the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
 @pytest.fixture(scope="module")
 def engines(make_llm) -> dict[str, object]:  # noqa: ANN001
     """Fresh engines without prefix caching, so what earlier tests cached cannot change a token."""
-    return {q: make_llm(dtype="float32", quantization=q, enable_prefix_caching=False) for q in ("gguf", "none")}
+    return {q: make_llm(dtype="float32", quantization=q, enable_prefix_caching=False)
+            for q in ("gguf", "gguf-q8", "none")}
 
 
 @pytest.fixture(scope="module")
@@ -28,30 +31,33 @@ def models(engines) -> dict[str, object]:  # noqa: ANN001
     return {q: llm.engine.core.runner.model for q, llm in engines.items()}
 
 
-def test_layers_hold_the_files_blocks(models) -> None:  # noqa: ANN001
-    quantized, dense = models["gguf"], models["none"]
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-q8"])
+def test_layers_hold_the_files_blocks(models, quantization: str) -> None:  # noqa: ANN001
+    quantized, dense = models[quantization], models["none"]
+    int8 = quantization == "gguf-q8"
     layer = quantized.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert linear.method == GGUFMethod(Q4_1) and linear.qdata.dtype == torch.uint8
-    assert quantized.embed_tokens.table.method == GGUFMethod(Q8_0)
+        assert linear.method == GGUFMethod(Q4_1, int8) and linear.qdata.dtype == torch.uint8
+    assert quantized.embed_tokens.table.method == GGUFMethod(Q8_0, int8)
     assert quantized.lm_head.qdata.data_ptr() == quantized.embed_tokens.table.qdata.data_ptr()  # tied: one copy
     assert weight_bytes(quantized) < 0.2 * weight_bytes(dense)
     assert all(m.method is DENSE for m in dense.modules() if hasattr(m, "method"))
     assert quantized.fingerprint != dense.fingerprint  # their KV differs: never shared between them
 
 
-def test_perplexity_within_one_percent_of_the_dequantized_model(engines, models, passages) -> None:  # noqa: ANN001
+def test_perplexity_of_the_dequantized_model(engines, models, passages) -> None:  # noqa: ANN001
     ids = engines["none"].get_tokenizer().encode(" ".join(passages))[:1024]
     ppl = {q: perplexity(m, ids) for q, m in models.items()}
-    assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.01, ppl
+    assert abs(ppl["gguf"] / ppl["none"] - 1) < 1e-4, ppl  # the same products, summed in another order
+    assert abs(ppl["gguf-q8"] / ppl["none"] - 1) < 0.01, ppl
 
 
-def test_greedy_tokens_mostly_agree_with_the_dequantized_model(engines) -> None:  # noqa: ANN001
+def test_greedy_tokens_of_the_dequantized_model(engines) -> None:  # noqa: ANN001
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    quantized, reference = (engines[q].generate(PROMPTS, params) for q in ("gguf", "none"))
-    agreed, total = agreed_prefix([o.outputs[0].token_ids for o in quantized],
-                                  [o.outputs[0].token_ids for o in reference])
-    # Measured here: 61-70% (README); a 4-bit model parts from its float32 self after a few tokens.
+    tokens = {q: [o.outputs[0].token_ids for o in engines[q].generate(PROMPTS, params)] for q in engines}
+    assert tokens["gguf"] == tokens["none"]
+    agreed, total = agreed_prefix(tokens["gguf-q8"], tokens["none"])
+    # Measured here: 61-70% (README); int8 activations part from the float32 model after a few tokens.
     assert agreed / total >= 0.5, f"{agreed} of {total} tokens before the first divergence"
 
 
@@ -64,8 +70,6 @@ def test_a_fused_layer_of_mixed_formats_is_dequantized() -> None:
     assert plan == {"qkv": DENSE, "o": GGUFMethod(Q8_0), "embed_tokens": DENSE}
 
 
-def test_gguf_quantization_needs_a_gguf_file(tmp_path) -> None:  # noqa: ANN001
-    with pytest.raises(ModelLoadError, match="needs a GGUF file"):
-        load_model(str(tmp_path), torch.float32, quantization="gguf")
+def test_an_unknown_quantization_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="unknown quantization"):
         load_model(None, torch.float32, quantization="auto")

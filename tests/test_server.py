@@ -59,11 +59,11 @@ def test_models_and_completion_usage(client: openai.OpenAI, server: Server) -> N
     assert isinstance(detok["prompt"], str) and detok["prompt"]
     assert httpx.get(f"{server.url}/version").json()["version"]
     assert "/v1/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
-    # The default model dequantized to float32: ~513 MiB (92 as stored, --quantization gguf).
+    # The default model as stored: ~92 MiB of Q4_1 and Q8_0 blocks (513 dequantized to float32).
     weights = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
                if line.startswith("tandem:model_weight_bytes{")]
-    assert len(weights) == 1 and 'formats="dense"' in weights[0]
-    assert 400 * 2**20 < float(weights[0].rsplit(" ", 1)[1]) < 600 * 2**20
+    assert len(weights) == 1 and 'formats="gguf-Q4_1,gguf-Q8_0"' in weights[0]
+    assert 80 * 2**20 < float(weights[0].rsplit(" ", 1)[1]) < 110 * 2**20
     assert server.metric("kv_cache_bytes_per_token") == 30 * 2 * 3 * 64 * 4  # layers, K+V, KV heads, dims, fp32
 
 

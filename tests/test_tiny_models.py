@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from tandem import SamplingParams
 from tandem.model.attention import build_attention_metadata
+from tandem.model.linear import weight_formats
 from tandem.model.loader import load_model
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,8 +45,8 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
     if kernels == "pytorch":  # every op's fallback: fused ops, decode and prefill attention
         monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
     path, ref = build(kind, tmp_path)
-    loaded = load_model(str(path), torch.float32)
-    assert loaded.tokenizer is None
+    loaded = load_model(str(path), torch.float32)  # quantization "gguf" by default: a directory stays dense
+    assert loaded.tokenizer is None and weight_formats(loaded.model) == ("dense",)
     model, arch = loaded.model, loaded.arch
     block_size, num_blocks = 4, 64
     kv = torch.zeros(arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

@@ -6,7 +6,8 @@ model is built with every layer in its final form: no module is swapped after lo
   dense       a [out, in] weight in the model's dtype, F.linear
   packed-bf16 the same weight packed once for oneDNN (and small_batch_linear's panels) on CPUs with
               native bf16 (model/packed_linear.py)
-  gguf        ggml blocks as stored in the file (Q4_0, Q4_1, Q8_0), model/quant.py's kernels
+  gguf        ggml blocks as stored in the file (Q4_0, Q4_1, Q8_0), model/quant.py's kernels, with
+              activations in float (gguf) or rounded to int8 per block (gguf-q8, llama.cpp's)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, quantized
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
-QUANTIZATION_CHOICES = ("none", "gguf")
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -67,10 +67,11 @@ class PackedBf16Method(LinearMethod):
 @dataclass(frozen=True)
 class GGUFMethod(LinearMethod):
     fmt: BlockFormat
+    int8_activations: bool = False
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"gguf-{self.fmt.name}"
+        return f"gguf-{self.fmt.name}" + ("-a8" if self.int8_activations else "")
 
     def create(self, layer: Linear) -> None:
         row_bytes = layer.in_features // 32 * self.fmt.block_bytes
@@ -84,7 +85,7 @@ class GGUFMethod(LinearMethod):
         layer.qdata.copy_(weight.data)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, layer.quantized_weight(), layer.bias)
+        return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)
 
 
 DENSE = LinearMethod()
@@ -119,7 +120,8 @@ def native_dtype_method(dtype: torch.dtype, device: torch.device) -> LinearMetho
 
 
 def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mapping[str, Weight],
-                        dtype: torch.dtype, device: torch.device) -> dict[str, LinearMethod]:
+                        dtype: torch.dtype, device: torch.device,
+                        int8_activations: bool = False) -> dict[str, LinearMethod]:
     """Per linear layer (by module name, from the checkpoint tensors it is made of): the file's own
     block format when every part has it, else the model's dtype (mixed formats are dequantized)."""
     plan: dict[str, LinearMethod] = {}
@@ -129,7 +131,10 @@ def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mappi
         formats = {w.fmt if isinstance(w, QuantizedWeight) else None for w in present}
         fmt = next(iter(formats)) if len(formats) == 1 else None
         # F.embedding needs the plain table; a tied head packs its own copy.
-        plan[layer] = GGUFMethod(fmt) if fmt is not None else DENSE if layer == "embed_tokens" else fallback
+        if fmt is not None:
+            plan[layer] = GGUFMethod(fmt, int8_activations)
+        else:
+            plan[layer] = DENSE if layer == "embed_tokens" else fallback
         if fmt is None and any(f is not None for f in formats):
             log.info("%s mixes %s: dequantized", layer, sorted(f.name for f in formats if f is not None))
     return plan
@@ -161,6 +166,9 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]:
+        if t.is_mkldnn:  # oneDNN's packed layout: an opaque tensor of its own, with no storage to share
+            total += t.numel() * t.element_size()
+            continue
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)

@@ -20,10 +20,11 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tandem.cache import cache_dir
+from tandem.config import QUANTIZATION_CHOICES
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.layers import RotaryEmbedding
-from tandem.model.linear import QUANTIZATION_CHOICES, Weight, plan_linear_methods, weight_bytes, weight_formats
+from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weight_formats
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.quant import QuantizedWeight, native_format
 
@@ -207,23 +208,23 @@ def load_tokenizer(model: str | None) -> Any | None:
 # -- entry point --------------------------------------------------------------------------------
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "none") -> LoadedModel:
-    """quantization: "gguf" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored (a directory is
-    refused); "none" dequantizes everything to dtype."""
+               quantization: str = "gguf") -> LoadedModel:
+    """quantization: "gguf" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored (activations in
+    float), "gguf-q8" the same with int8 activations, "none" dequantizes everything to dtype. A
+    directory's safetensors are dense whichever is chosen."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     path = resolve_model_path(model)
     if path.is_dir():
-        if quantization == "gguf":
-            raise ModelLoadError(f"--quantization gguf needs a GGUF file; {path} is a directory")
         arch, weights = load_hf_weights(path)
     elif path.suffix == ".gguf":
-        arch, weights = load_gguf_weights(path, keep_quantized=quantization == "gguf")
+        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none")
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
     name = DEFAULT_MODEL_NAME if model is None else (path.name if path.is_dir() else path.stem)
-    methods = plan_linear_methods(LlamaForCausalLM.weight_parts(arch), weights, dtype, torch.device(device))
+    methods = plan_linear_methods(LlamaForCausalLM.weight_parts(arch), weights, dtype, torch.device(device),
+                                  int8_activations=quantization == "gguf-q8")
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, dtype, methods)

@@ -4,12 +4,21 @@ A QuantizedWeight is a checkpoint tensor's rows of ggml blocks (32 weights along
 Rows are independent, so the loader fuses q/k/v (and gate/up) and undoes llama.cpp's rotary row
 permutation on the blocks themselves.
 
-The arithmetic is llama.cpp's: activations are quantized to int8 per block of 32 (q8_roundtrip gives
-the values that stand for them) and each block's dot product is exact in integers, scaled once. The
-compiled kernel (tandem/ops/quant_linear.cpp) does this for a few rows as one stream over the weight
-bytes; for many rows, where the matmul's FLOPs and not its bytes set the time, the same values go
-through one float32 GEMM on weights dequantized for that call (a layer's worth, transient). Both give
-each row the same result up to float32 rounding, and the PyTorch fallback here (any device) too.
+Two arithmetics multiply by them:
+
+  float (default)  x stays in float; each block is dequantized in registers and meets x in float32
+                   FMAs (tandem/ops/quant_linear.cpp): F.linear(x, dequantized W) up to summation
+                   order, so the dequantized model is its reference.
+  int8             llama.cpp's: x is quantized to int8 per block of 32 (q8_roundtrip gives the values
+                   that stand for it) and each block's dot product is exact in integers, scaled once
+                   (tandem/ops/quant_linear_q8.cpp). Rounding x is discontinuous: a one-ulp
+                   difference upstream (another batch shape's GEMM) can flip a value and, in time, a
+                   greedy token, so it is opt-in.
+
+Either kernel is one stream over the weight bytes for a few rows. For many rows, where the matmul's
+FLOPs and not its bytes set the time, the same values go through one float32 GEMM on weights
+dequantized for that call (a layer's worth, in a reused scratch buffer). The PyTorch fallbacks here
+(any device) compute the same.
 """
 
 from __future__ import annotations
@@ -121,8 +130,7 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return _torch_q8_roundtrip(x)
 
 
-# Past this many rows the kernel's integer dot products (~45 GFLOP/s a core on the AVX2 development
-# machine) lose to dequantizing the layer and one float32 GEMM (~55-75 GFLOP/s a core, the
+# Past this many rows the kernels lose to dequantizing the layer and one float32 GEMM (the
 # dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
 GEMM_ROWS = int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
 # A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
@@ -130,13 +138,15 @@ GEMM_ROWS = int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
 MAX_DEQUANTIZED_WEIGHTS = 8 << 20
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                     int8_activations: bool = False) -> torch.Tensor:
     """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
     rows = x.numel() // w.in_features
     small = rows <= GEMM_ROWS or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS
     if _kernel(x) and small and x.dtype in (torch.float32, torch.bfloat16):
-        return torch.ops.tandem.gguf_linear(x, w.data, w.fmt.ggml_type, w.in_features, bias)
-    return reference_linear(x, w, bias)
+        op = torch.ops.tandem.gguf_linear_q8 if int8_activations else torch.ops.tandem.gguf_linear
+        return op(x, w.data, w.fmt.ggml_type, w.in_features, bias)
+    return reference_linear(x, w, bias, int8_activations)
 
 
 _scratch: dict[torch.device, torch.Tensor] = {}
@@ -155,9 +165,11 @@ def _dequantized(w: QuantizedWeight) -> torch.Tensor:
     return out
 
 
-def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                     int8_activations: bool = False) -> torch.Tensor:
     """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path."""
-    out = F.linear(q8_roundtrip(x), _dequantized(w), None if bias is None else bias.float())
+    xf = q8_roundtrip(x) if int8_activations else x.float()
+    out = F.linear(xf, _dequantized(w), None if bias is None else bias.float())
     return out.to(x.dtype)
 
 
@@ -167,3 +179,4 @@ def _fake_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int,
 
 
 extension.register_fake("gguf_linear", _fake_linear)
+extension.register_fake("gguf_linear_q8", _fake_linear)

@@ -11,6 +11,8 @@ Environment:
   TANDEM_DISABLE_KERNELS=1  always use the PyTorch fallbacks.
   TANDEM_CACHE_DIR          root of the build cache (default ~/.cache/tandem); builds go to
                             ``$TANDEM_CACHE_DIR/ext/<hash of sources, torch version, flags>``.
+  TANDEM_KERNEL_CFLAGS      extra compiler flags, e.g. ``-mno-avx512f`` to build and test the AVX2
+                            paths on an AVX512 machine.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ EXT_NAME = "tandem_ops"
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "paged_prefill_brgemm.cpp",
             _HERE / "fused.cpp", _HERE / "kv_write.cpp", _HERE / "linear.cpp",
-            _HERE / "quant_linear.cpp"]
-_HEADERS = [_HERE / "simd.h", _HERE / "attention_blocks.h", _HERE / "paged_prefill.h"]
+            _HERE / "quant_linear.cpp", _HERE / "quant_linear_q8.cpp"]
+_HEADERS = [_HERE / "simd.h", _HERE / "attention_blocks.h", _HERE / "paged_prefill.h", _HERE / "gguf_blocks.h"]
 # -ffp-contract=off: no implicit FMA, so a kernel rounds exactly where its PyTorch fallback does.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-ffp-contract=off",
+           *os.environ.get("TANDEM_KERNEL_CFLAGS", "").split()]
 # -fopenmp makes at::parallel_for actually parallel; the resulting libgomp.so.1 dependency resolves
 # to the copy torch already loaded, so there is one OpenMP runtime and torch.set_num_threads applies.
 _LDFLAGS = ["-fopenmp"]

@@ -258,6 +258,8 @@ class AsyncEngine(EngineClient):
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while True:
+            # Looked at before polling: a core that says why it failed and exits is read, not raced.
+            alive = self._proc.is_alive()
             if await self._pull.poll(500):
                 msg = await self._pull.recv_pyobj()
                 if isinstance(msg, Ready):
@@ -265,7 +267,8 @@ class AsyncEngine(EngineClient):
                     break
                 if isinstance(msg, StartupFailed):
                     raise RuntimeError(f"engine core failed to start: {msg.reason}")
-            if not self._proc.is_alive():
+                continue
+            if not alive:
                 raise RuntimeError(f"engine core exited during start-up (exit code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError("engine core did not start in time")

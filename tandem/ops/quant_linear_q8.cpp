@@ -1,0 +1,235 @@
+// Linear layers on GGUF block-quantized weights with int8 activations, llama.cpp's arithmetic:
+// y = x W^T (+ b) with W in Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h).
+//
+// The activations are quantized to int8 per block of 32 (a scale d and the scaled sum s = d * sum(q),
+// ggml's Q8_1), and each block's dot product is an exact integer sum: 32 u8 x s8 products in one
+// vpmaddubsw, pairs added by vpmaddwd (or both in one vpdpbusd with AVX512-VNNI; no int16 pair sum
+// saturates: each is at most 2 * 127 * 127), then scaled once per block in float32:
+//   Q4_1  w = dw * q + mw, q in [0, 15]     dot = dw * dx * sum(q * qx) + mw * sx
+//   Q4_0  w = dw * (q - 8)                  the same with mw = -8 dw
+//   Q8_0  w = dw * q, q in [-127, 127]      dot = dw * dx * sum(|q| * sign(qx, q))
+// Each output is the same function of its row of x whatever the batch. But rounding x to int8 is
+// discontinuous: a one-ulp difference in x (another kernel's summation order upstream) can move a
+// value to the next integer, so this path is opt-in (--quantization gguf-q8); quant_linear.cpp keeps
+// x in float.
+//
+// Tiles of NR weight rows x MR activation rows keep MR * NR accumulators in registers; a tile's weight
+// rows (a few KB) stay in L1 while every activation row meets them, so W streams from memory once per
+// call. Threads split the weight rows.
+//
+// q8_roundtrip (x quantized and dequantized as above) lets a caller with many rows run the same
+// arithmetic as one float32 GEMM (tandem/model/quant.py chooses).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace tandem_ops {
+namespace {
+
+using namespace gguf;
+
+// Activations quantized per block of 32: int8 values, the scale and the scaled sum of each block.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t nb = 0;
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const T* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+    const float scale = amax / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      // nearbyint rounds half to even, as torch.round does in the fallback.
+      const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(xb[i]) * inv));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedRows r;
+  r.nb = K / kBlock;
+  r.q.resize(M * K);
+  r.d.resize(M * r.nb);
+  r.s.resize(M * r.nb);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* q = r.q.data() + m * K;
+      float* d = r.d.data() + m * r.nb;
+      float* s = r.s.data() + m * r.nb;
+      if (x.scalar_type() == at::kFloat) {
+        quantize_row(x.data_ptr<float>() + m * K, K, q, d, s);
+      } else {
+        quantize_row(x.data_ptr<at::BFloat16>() + m * K, K, q, d, s);
+      }
+    }
+  });
+  return r;
+}
+
+#if defined(TANDEM_QUANT_AVX2)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A weight block's 32 quants as bytes in K order: nibbles (low ones are weights 0-15, high ones 16-31)
+// or, for Q8_0, the magnitudes (signs move onto the activations).
+template <int64_t QT>
+inline __m256i weight_bytes(const uint8_t* qs) {
+  if constexpr (QT == kQ8_0) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    return _mm256_sign_epi8(v, v);
+  }
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+template <int64_t QT>
+inline __m256 block_dot(__m256i w, const uint8_t* qs, const int8_t* qx, __m256i ones) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+  if constexpr (QT == kQ8_0) x = _mm256_sign_epi8(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  (void)ones;  // vpdpbusd: the four u8 x s8 products of each lane summed in one instruction
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+#else
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+#endif
+}
+
+// out[i][j] = row (m0 + i) of x . weight row (n0 + j), for MR rows and NR weight rows.
+template <int64_t QT, int MR, int NR>
+void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
+          float* y, int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
+  const int64_t nb = a.nb;
+  // The weights stream from memory once per call: ask for the next tiles' bytes while this one
+  // computes (its rows are contiguous, NR * row_bytes), a little more than one line per block.
+  const uint8_t* ahead = w + (n0 + kPrefetchTiles * NR) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64), _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) {
+      const WeightBlock wb = weight_block<QT>(w + (n0 + j) * row_bytes + b * bb);
+      const __m256i wq = weight_bytes<QT>(wb.qs);
+      for (int i = 0; i < MR; ++i) {
+        const int64_t row = m0 + i;
+        const __m256 dot = block_dot<QT>(wq, wb.qs, a.q.data() + row * K + b * kBlock, ones);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * a.d[row * nb + b]), dot, acc[i][j]);
+        if constexpr (QT != kQ8_0) mins[i][j] += wb.m * a.s[row * nb + b];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + mins[i][j];
+}
+#else
+// Portable: the same sums, one output at a time.
+template <int64_t QT, int MR, int NR>
+void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
+          float* y, int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  for (int i = 0; i < MR; ++i) {
+    const int64_t row = m0 + i;
+    for (int j = 0; j < NR; ++j) {
+      float total = 0.0f;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const WeightBlock wb = weight_block<QT>(w + (n0 + j) * row_bytes + b * bb);
+        const int8_t* qx = a.q.data() + row * K + b * kBlock;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          sum += quant_at<QT>(wb.qs, k) * qx[k];
+        }
+        total += wb.d * a.d[row * a.nb + b] * static_cast<float>(sum) + wb.m * a.s[row * a.nb + b];
+      }
+      y[row * N + n0 + j] = total;
+    }
+  }
+}
+#endif
+
+template <int64_t QT>
+void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t M, int64_t K, int64_t N, float* y) {
+  for_each_tile(M, N, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
+    tile<QT, decltype(mr)::value, decltype(nr)::value>(w, row_bytes, a, K, m0, n0, y, N);
+  });
+}
+
+at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t in_features,
+                          const std::optional<at::Tensor>& bias) {
+  check_weight(w, qtype, in_features, "gguf_linear_q8");
+  check_activations(x_in, in_features, "gguf_linear_q8");
+  const at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
+  const int64_t M = x.size(0), K = in_features, N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    const QuantizedRows a = quantize_rows(x);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    switch (qtype) {
+      case kQ4_0: linear_rows<kQ4_0>(wp, w.size(1), a, M, K, N, yp); break;
+      case kQ4_1: linear_rows<kQ4_1>(wp, w.size(1), a, M, K, N, yp); break;
+      case kQ8_0: linear_rows<kQ8_0>(wp, w.size(1), a, M, K, N, yp); break;
+      default: TORCH_CHECK(false, "gguf_linear_q8: unsupported ggml type ", qtype);
+    }
+  }
+  return finish_output(y, x_in, bias);
+}
+
+at::Tensor q8_roundtrip(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "q8_roundtrip: x must be float32 or bfloat16 on the CPU");
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(K % kBlock == 0, "q8_roundtrip: the last dimension must be a multiple of 32, got ", K);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    const QuantizedRows a = quantize_rows(x);
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, M * a.nb, 256, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t k = 0; k < kBlock; ++k) op[b * kBlock + k] = a.d[b] * static_cast<float>(a.q[b * kBlock + k]);
+    });
+  }
+  return out.view(x_in.sizes());
+}
+
+}  // namespace
+}  // namespace tandem_ops
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("gguf_linear_q8(Tensor x, Tensor w, int qtype, int in_features, Tensor? bias) -> Tensor");
+  m.def("q8_roundtrip(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("gguf_linear_q8", &tandem_ops::gguf_linear_q8);
+  m.impl("q8_roundtrip", &tandem_ops::q8_roundtrip);
+}
