@@ -30,6 +30,7 @@ from rich.table import Table
 from tandem import LLM
 from tandem.config import parse_dtype
 from tandem.engine.request import Request
+from tandem.kv.layout import engine_kv_layout
 from tandem.model.linear import Linear, weight_bytes
 from tandem.model.quant import QuantizedWeight, reference_linear
 from tandem.model.scoring import agreed_prefix, perplexity
@@ -104,7 +105,7 @@ def step_flops_bytes(llm: LLM, batch: int, context: int) -> tuple[float, float]:
     arch = model.cfg
     params = sum(m.in_features * m.out_features for m in model_linears(llm))
     attn = 4 * batch * context * arch.num_heads * arch.head_dim * arch.num_layers
-    kv = batch * context * arch.kv_bytes_per_token(llm.engine.config.model.dtype.itemsize)
+    kv = batch * context * engine_kv_layout(llm.engine.config, arch).bytes_per_token(arch)
     return 2 * params * batch + attn, weight_bytes(model) + kv
 
 
@@ -166,6 +167,22 @@ def accuracy(llms: dict[str, LLM], passages: list[str]) -> dict:
     return result
 
 
+def kv_cache(llms: dict[str, LLM], batches: list[int], context: int, bw: float, rate: float,
+             passages: list[str]) -> dict:
+    """The int8 KV cache against the model's dtype, both on the weights as stored: decode steps at a
+    long context (where the KV is most of the bytes), perplexity and greedy agreement."""
+    steps_ = steps({k: llms[k] for k in ("gguf", "gguf+int8kv")}, batches, context, bw, rate)
+    model = llms["gguf"].engine.core.runner.model
+    ids = llms["gguf"].get_tokenizer().encode(" ".join(passages))[:1024]
+    ppl = {kv: perplexity(model, ids, kv) for kv in ("auto", "int8")}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts_ = [p[:200] for p in passages[:8]]
+    outs = {k: [o.outputs[0].token_ids for o in llms[k].generate(prompts_, params)] for k in ("gguf", "gguf+int8kv")}
+    agreed, total = agreed_prefix(outs["gguf+int8kv"], outs["gguf"])
+    return {"steps": steps_, "perplexity": ppl, "perplexity_ratio": ppl["int8"] / ppl["auto"],
+            "greedy_agreement": agreed / total, "greedy_tokens": total}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -175,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     labels = {"gguf": "Q4_1 as stored", "gguf-q8": "Q4_1 as stored, int8 activations",
               "none": f"dequantized {result['dtype']}"}
-    for name, style in (("gguf", "o-"), ("gguf-q8", "^-"), ("none", "s-")):
+    for name, style in (("gguf", "o-"), ("gguf-q8", "^-"), ("none", "s-")):  # the context-256 steps
         rows = [r for r in result["steps"] if r["weights"] == name]
         if not rows:
             continue
@@ -197,12 +214,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="kernels,steps,prompts,accuracy")
+    ap.add_argument("--parts", default="kernels,steps,prompts,accuracy,kv")
     ap.add_argument("--kernel-rows", default="1,2,4,8,16,32,48,64,128")
     ap.add_argument("--step-batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     ap.add_argument("--prompt-lengths", default="512,1024,2048,4096")
+    ap.add_argument("--kv-batches", default="1,16,32")  # 32 x 1k tokens of float32 KV: 1.5 of the 2 GiB
+    ap.add_argument("--kv-context", type=int, default=1024)
     ap.add_argument("--out", default="bench/results/quantization.json")
     ap.add_argument("--plot", default="docs/quantization.png")
     args = ap.parse_args()
@@ -212,6 +231,10 @@ def main() -> int:
     llms = {q: LLM(dtype=dtype, quantization=q, kv_cache_memory=2.0, max_num_seqs=256,
                    max_model_len=max(ints(args.prompt_lengths)) + 16)
             for q in ("gguf", "gguf-q8", "none")}
+    by_weights = dict(llms)  # the weight formats' comparison, all with KV in the model's dtype
+    if "kv" in parts:
+        llms["gguf+int8kv"] = LLM(dtype=dtype, quantization="gguf", kv_cache_dtype="int8", kv_cache_memory=2.0,
+                                  max_num_seqs=256, max_model_len=max(ints(args.prompt_lengths)) + 16)
     # The decoder layers' shapes: the lm_head at 1,024 rows would time a 200 MB output's page faults.
     head = llms["none"].engine.core.runner.model.lm_head
     shapes = sorted({(m.out_features, m.in_features) for m in model_linears(llms["none"]) if m is not head})
@@ -230,14 +253,18 @@ def main() -> int:
                       f"{r['kernel_gb_s']:.1f}")
         console.print(t)
     if "steps" in parts:
-        result["steps"] = steps(llms, ints(args.step_batches), args.context, result["bandwidth_gb_s"] * 1e9,
+        result["steps"] = steps(by_weights, ints(args.step_batches), args.context, result["bandwidth_gb_s"] * 1e9,
                                 result["matmul_gflop_s"] * 1e9)
     if "prompts" in parts:
-        result["prompts"] = prompts(llms, ints(args.prompt_lengths), result["matmul_gflop_s"] * 1e9)
+        result["prompts"] = prompts(by_weights, ints(args.prompt_lengths), result["matmul_gflop_s"] * 1e9)
+    passages = [p for p in (ROOT / "tests/data/passages.txt").read_text().splitlines() if p.strip()]
     if "accuracy" in parts:
-        passages = [p for p in (ROOT / "tests/data/passages.txt").read_text().splitlines() if p.strip()]
-        result["accuracy"] = accuracy(llms, passages)
+        result["accuracy"] = accuracy(by_weights, passages)
         console.print(result["accuracy"])
+    if "kv" in parts:
+        result["kv"] = kv_cache(llms, ints(args.kv_batches), args.kv_context, result["bandwidth_gb_s"] * 1e9,
+                                result["matmul_gflop_s"] * 1e9, passages)
+        console.print({k: v for k, v in result["kv"].items() if k != "steps"})
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

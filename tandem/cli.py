@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=["auto", "int8"],
+                   help="auto: the model's dtype; int8: per token and kv head int8 rows with a float32 scale "
+                        "(about a quarter of float32's bytes)")
     p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=CacheConfig.prefault_kv_cache,
                    help="commit the KV pool's memory at start-up (no first-touch page faults while serving)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
@@ -65,8 +68,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
-                num_blocks=args.num_blocks,
-                block_size=args.block_size, prefault_kv_cache=args.prefault_kv_cache,
+                num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                prefault_kv_cache=args.prefault_kv_cache,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_model_len=args.max_model_len,

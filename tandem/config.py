@@ -63,6 +63,8 @@ class CacheConfig:
     num_blocks: int | None = None
     # Commit the pool's memory at start-up so that no step pays for first-touch page faults (CPU).
     prefault_kv_cache: bool = True
+    # "auto": the model's dtype; "int8": rows of int8 with a float32 scale each (tandem/kv/layout.py).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # "sha256": the same key on every process, host and Python version (the KV store and a KV-aware
     # router match keys across them); "builtin" (Python's tuple hash) is faster, equal across processes
@@ -131,6 +133,8 @@ class EngineConfig:
         if self.model.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.model.quantization!r}")
+        if self.cache.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.cache.kv_cache_dtype!r}")
         if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:

@@ -29,18 +29,19 @@ BLOCK = 4
 VOCAB = 96
 
 
-def engine(path: Path, budget: int, allocator=None, connector: KVConnector | None = None) -> EngineCore:  # noqa: ANN001
+def engine(path: Path, budget: int, allocator=None, connector: KVConnector | None = None,  # noqa: ANN001
+           kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=96, block_size=BLOCK,
-                                      max_num_batched_tokens=budget, num_threads=1)
+                                      max_num_batched_tokens=budget, num_threads=1, kv_cache_dtype=kv_cache_dtype)
     return EngineCore(config, load_model(str(path), torch.float32).model, allocator, connector)
 
 
-def prefill_engine(path: Path, budget: int) -> EngineCore:
-    return engine(path, budget, connector=KVSendConnector(RoutingSender(b"k"), BLOCK))
+def prefill_engine(path: Path, budget: int, kv_cache_dtype: str = "auto") -> EngineCore:
+    return engine(path, budget, connector=KVSendConnector(RoutingSender(b"k"), BLOCK), kv_cache_dtype=kv_cache_dtype)
 
 
-def decode_engine(path: Path, budget: int, receiver: KVReceiver) -> EngineCore:
-    return engine(path, budget, receiver.allocate_pool, KVRecvConnector(receiver, BLOCK))
+def decode_engine(path: Path, budget: int, receiver: KVReceiver, kv_cache_dtype: str = "auto") -> EngineCore:
+    return engine(path, budget, receiver.allocate_pool, KVRecvConnector(receiver, BLOCK), kv_cache_dtype)
 
 
 def run_colocated(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -101,17 +102,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("llama", tmp_path_factory.mktemp("tiny"))[0]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8 rows travel as they are, scales in them
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 @pytest.mark.parametrize("budget", [3, 8, 64])  # chunks ending mid-block, on block edges, and whole prompts
-def test_handoff_matches_a_single_engine(tiny: Path, transport: str, budget: int) -> None:
+def test_handoff_matches_a_single_engine(tiny: Path, transport: str, budget: int, kv_cache_dtype: str) -> None:
     rng = np.random.default_rng(budget)
     shared = rng.integers(0, VOCAB, 13).tolist()
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 4, 9, 23)]
     prompts += [shared + rng.integers(0, VOCAB, 6).tolist(), shared + rng.integers(0, VOCAB, 2).tolist()]
-    reference = engine(tiny, budget)
+    reference = engine(tiny, budget, kv_cache_dtype=kv_cache_dtype)
     expected = run_colocated(reference, prompts, 6)
     receiver = make_receiver(transport, "127.0.0.1", 0, b"k")
-    prefill, decode = prefill_engine(tiny, budget), decode_engine(tiny, budget, receiver)
+    prefill = prefill_engine(tiny, budget, kv_cache_dtype)
+    decode = decode_engine(tiny, budget, receiver, kv_cache_dtype)
     try:
         assert run_disaggregated(prefill, decode, prompts, 6) == expected
         # Again: now the decode side caches the prompts (only the tail is shipped) and so does the

@@ -94,11 +94,12 @@ def tier_options(tiers: str, tmp_path: Path, shm_path: str) -> dict:
     return options
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8 blocks are stored with their scales
 @pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
 def test_outputs_identical_with_the_store_while_a_small_pool_evicts(tiny: Path, tmp_path: Path, shm_path: str,
-                                                                     tiers: str) -> None:
-    expected = conversations(engine(tiny, num_blocks=256))
-    core = engine(tiny, **tier_options(tiers, tmp_path, shm_path))
+                                                                     tiers: str, kv_cache_dtype: str) -> None:
+    expected = conversations(engine(tiny, num_blocks=256, kv_cache_dtype=kv_cache_dtype))
+    core = engine(tiny, kv_cache_dtype=kv_cache_dtype, **tier_options(tiers, tmp_path, shm_path))
     assert conversations(core) == expected
     store = store_of(core)
     # The 24-block pool holds about one conversation: later turns reload their histories.

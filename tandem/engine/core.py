@@ -18,6 +18,7 @@ from tandem.engine.request import Request
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.kv.layout import engine_kv_layout
 from tandem.model.arch import ArchConfig
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.llama import LlamaForCausalLM
@@ -67,7 +68,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
     from tandem.engine.store_connector import StoreConnector
     from tandem.kv.store.tiered import TieredStore, open_tiers
 
-    block_nbytes = arch.kv_bytes_per_token(config.model.dtype.itemsize) * config.cache.block_size
+    block_nbytes = engine_kv_layout(config, arch).bytes_per_token(arch) * config.cache.block_size
     ident = f"{fingerprint & (2**64 - 1):016x}-{block_nbytes}"
     store = StoreConnector(TieredStore(open_tiers(settings, block_nbytes, ident), block_nbytes),
                            config.cache.block_size)
@@ -89,7 +90,10 @@ class EngineCore:
         if fingerprint is None:
             fingerprint = weights_fingerprint(model.state_dict(), config.model.dtype)
         # Part of every block's key: equal keys mean equal KV on every process and host.
+        layout = engine_kv_layout(config, model.cfg)
         self.block_key_extra = (fingerprint, config.cache.block_size)
+        if layout.quantized:  # int8 rows are other bytes than the model dtype's: never each other's hits
+            self.block_key_extra += (layout.name,)
         self.connector = with_store(connector, config, model.cfg, fingerprint)
         self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
@@ -103,9 +107,9 @@ class EngineCore:
         # Time and count of steps that decoded: the time between two tokens of a running request.
         self.decode_busy_s = 0.0
         self.num_decode_steps = 0
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", num_blocks,
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s, %d bytes a token), max_model_len %d", num_blocks,
                  config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
-                 self.max_model_len)
+                 layout.name, layout.bytes_per_token(model.cfg), self.max_model_len)
 
     @property
     def num_blocks(self) -> int:

@@ -65,11 +65,12 @@ class CoreInfo:
 
 def core_info(core: Any, loaded: Any) -> CoreInfo:
     """core: an EngineCore; loaded: the LoadedModel it runs."""
+    from tandem.kv.layout import engine_kv_layout
     from tandem.model.linear import weight_bytes, weight_formats
 
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cache = core.config.cache
-    per_token = loaded.arch.kv_bytes_per_token(core.config.model.dtype.itemsize)
+    per_token = engine_kv_layout(core.config, loaded.arch).bytes_per_token(loaded.arch)
     return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
                     cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,

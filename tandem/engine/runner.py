@@ -19,6 +19,7 @@ from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.kv.host_memory import huge_page_zeros, prefault
+from tandem.kv.layout import engine_kv_layout
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
 from tandem.model.llama import LlamaForCausalLM
@@ -43,7 +44,7 @@ class RunnerOutput:
 def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
-    per_block = arch.kv_bytes_per_token(config.model.dtype.itemsize) * config.cache.block_size
+    per_block = engine_kv_layout(config, arch).bytes_per_token(arch) * config.cache.block_size
     return max(int(config.cache.kv_cache_memory * GiB) // per_block, 1)
 
 
@@ -64,8 +65,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = torch.device(config.model.device)
         arch = model.cfg
-        shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = (kv_allocator or default_kv_allocator)(shape, config.model.dtype, self.device)
+        layout = engine_kv_layout(config, arch)
+        shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, layout.row_dim)
+        self.kv_caches = (kv_allocator or default_kv_allocator)(shape, layout.dtype, self.device)
+        self.kv_quantized = layout.quantized
         if config.cache.prefault_kv_cache:
             prefault(self.kv_caches)
         self.connector = connector or KVConnector()
@@ -95,7 +98,7 @@ class ModelRunner:
                 logits_indices.append(offset - 1)
         rows = np.asarray(logits_indices, dtype=np.int64)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
-                                        self.device, rows)
+                                        self.device, rows, compact_prefill_blocks=self.kv_quantized)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.from_numpy(rows).to(self.device)
         t1 = time.perf_counter()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem.kv.layout import is_quantized, quantize_rows, readable
 from tandem.ops.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
@@ -59,6 +60,9 @@ class AttentionMetadata:
     prefill_query_start: torch.Tensor  # [Np + 1] int32 offsets of each request's queries among them
     prefill_seq_lens: torch.Tensor  # [Np] int32 context + new tokens
     block_size: int = 16
+    # An int8 pool's blocks that the multi-token queries read ([U] int64); their block tables then
+    # index this list, so each layer dequantizes these blocks for the prefill kernel (layout.py).
+    prefill_blocks: torch.Tensor | None = None
     # The rows sampled after the last layer ([S], the order of the logits), when that is fewer than
     # all rows: the last layer then computes attention and its MLP for these rows only (every row's
     # K/V is still written), each as a single query over its own context, with these tables.
@@ -84,9 +88,11 @@ class AttentionMetadata:
 
 def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
                              num_decodes: int, block_size: int, device: torch.device,
-                             logits_indices: np.ndarray | None = None) -> AttentionMetadata:
+                             logits_indices: np.ndarray | None = None,
+                             compact_prefill_blocks: bool = False) -> AttentionMetadata:
     """q_lens[b] new tokens follow context_lens[b] computed ones; decodes (q_len 1) come first.
-    logits_indices: the rows whose logits the step needs (None: all of them)."""
+    logits_indices: the rows whose logits the step needs (None: all of them).
+    compact_prefill_blocks: number the multi-token queries' blocks 0..U-1 (prefill_blocks)."""
     seq_lens = context_lens + q_lens
     req_idx = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = token_positions(q_lens, context_lens)
@@ -94,6 +100,11 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
     bt = torch.from_numpy(block_tables)
     prefill_query_start = np.zeros(len(q_lens) - num_decodes + 1, dtype=np.int32)
     np.cumsum(q_lens[num_decodes:], out=prefill_query_start[1:])
+    prefill_tables, prefill_blocks = block_tables[num_decodes:], None
+    if compact_prefill_blocks and len(prefill_tables):
+        used, local = np.unique(prefill_tables, return_inverse=True)
+        prefill_tables = local.reshape(prefill_tables.shape).astype(np.int32)
+        prefill_blocks = torch.from_numpy(used.astype(np.int64)).to(device)
     sampled: dict[str, torch.Tensor] = {}
     if logits_indices is not None and len(logits_indices) < len(positions):
         rows = np.asarray(logits_indices, dtype=np.int64)
@@ -106,12 +117,13 @@ def build_attention_metadata(q_lens: np.ndarray, context_lens: np.ndarray, block
         num_decode_tokens=num_decodes,
         decode_block_tables=bt[:num_decodes].to(device),
         decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes].astype(np.int32)).to(device),
-        prefill_block_tables=bt[num_decodes:].to(device),
+        prefill_block_tables=torch.from_numpy(prefill_tables).to(device),
         prefill_query_start=torch.from_numpy(prefill_query_start).to(device),
         prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:].astype(np.int32)).to(device),
         block_size=block_size,
+        prefill_blocks=prefill_blocks,
         **sampled,
-        _host=(q_lens[num_decodes:], context_lens[num_decodes:], block_tables[num_decodes:]),
+        _host=(q_lens[num_decodes:], context_lens[num_decodes:], prefill_tables),
     )
 
 
@@ -182,7 +194,6 @@ def _from_grid(out: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for the new tokens; returns [T, H, D]."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     # Both kernels write their rows of one output, so the halves are never concatenated.
@@ -192,14 +203,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                                out=out[:nd])
     if meta.num_prefills:
-        qp = q[nd:]
+        qp, kp, vp = q[nd:], k[nd:], v[nd:]
+        if is_quantized(k_cache):
+            # Prompt chunks are bound by FLOPs, not bytes: the blocks they read, dequantized once a layer.
+            assert meta.prefill_blocks is not None, "an int8 pool needs compact_prefill_blocks metadata"
+            k_cache, v_cache = (readable(c[meta.prefill_blocks], q.dtype) for c in (k_cache, v_cache))
+            kp, vp = (readable(quantize_rows(x), q.dtype) for x in (kp, vp))  # as the pool holds them
         if prefill_kernel_supports(qp, k_cache, v_cache):
             paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_seq_lens, scale, out=out[nd:])
         else:
+            num_kv_heads, head_dim = k_cache.shape[-2:]
             k_flat = k_cache.view(-1, num_kv_heads, head_dim)
             v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-            out[nd:] = _prefill_attention_torch(qp, k[nd:], v[nd:], k_flat, v_flat, meta.prefill_groups(), scale,
+            out[nd:] = _prefill_attention_torch(qp, kp, vp, k_flat, v_flat, meta.prefill_groups(), scale,
                                                 q.shape[1] != num_kv_heads)
     return out
 

@@ -234,6 +234,5 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
-    log.info("%s: %.1f MiB of weights (%s), KV %d bytes per token", name, weight_bytes(net) / 2**20,
-             ", ".join(weight_formats(net)), arch.kv_bytes_per_token(dtype.itemsize))
+    log.info("%s: %.1f MiB of weights (%s)", name, weight_bytes(net) / 2**20, ", ".join(weight_formats(net)))
     return LoadedModel(net, tokenizer, arch, path, name)

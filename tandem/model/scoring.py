@@ -11,29 +11,31 @@ import math
 import numpy as np
 import torch
 
+from tandem.kv.layout import kv_layout
 from tandem.model.attention import build_attention_metadata
 from tandem.model.llama import LlamaForCausalLM
 
 
 @torch.inference_mode()
-def token_logprobs(model: LlamaForCausalLM, ids: list[int], kv_dtype: torch.dtype | None = None,
+def token_logprobs(model: LlamaForCausalLM, ids: list[int], kv_cache_dtype: str = "auto",
                    block_size: int = 16) -> torch.Tensor:
-    """log p(ids[i] | ids[:i]) for i >= 1, in float32."""
+    """log p(ids[i] | ids[:i]) for i >= 1, in float32, with the KV held as kv_cache_dtype says."""
     cfg = model.cfg
     device = model.norm.weight.device
+    layout = kv_layout(kv_cache_dtype, model.norm.weight.dtype, cfg.head_dim)
     num_blocks = (len(ids) + block_size - 1) // block_size
-    kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype=kv_dtype or model.norm.weight.dtype, device=device)
+    kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, layout.row_dim,
+                     dtype=layout.dtype, device=device)
     rows = np.arange(len(ids))
     meta = build_attention_metadata(np.array([len(ids)]), np.array([0]), np.arange(num_blocks, dtype=np.int32)[None],
-                                    0, block_size, device, rows)
+                                    0, block_size, device, rows, compact_prefill_blocks=layout.quantized)
     logits = model(torch.tensor(ids, device=device), meta, kv, torch.from_numpy(rows).to(device)).float()
     logp = logits[:-1].log_softmax(-1)
     return logp.gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
 
 
-def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
-    return math.exp(-token_logprobs(model, ids).mean().item())
+def perplexity(model: LlamaForCausalLM, ids: list[int], kv_cache_dtype: str = "auto") -> float:
+    return math.exp(-token_logprobs(model, ids, kv_cache_dtype).mean().item())
 
 
 def agreed_prefix(got: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:

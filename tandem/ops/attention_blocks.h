@@ -49,6 +49,28 @@ constexpr bool kPairV =
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// int8 KV rows (tandem/kv/layout.py): d int8 values, then the row's float32 scale.
+template <typename KV>
+constexpr bool kInt8Rows = std::is_same_v<KV, int8_t>;
+constexpr int64_t kScaleBytes = 4;
+
+// Elements from one kv head's row of a token to the next head's: d, plus the scale for int8 rows.
+template <typename KV>
+constexpr int64_t head_stride(int64_t d) {
+  return kInt8Rows<KV> ? d + kScaleBytes : d;
+}
+
+// The scale of an int8 row (1 for rows held as values).
+template <typename KV>
+TANDEM_INLINE float row_scale([[maybe_unused]] const KV* row, [[maybe_unused]] int64_t d) {
+  if constexpr (kInt8Rows<KV>) {
+    float s;
+    std::memcpy(&s, row + d, sizeof(s));
+    return s;
+  }
+  return 1.0f;
+}
+
 // =============================================================================================
 // AVX512 building blocks
 // =============================================================================================
@@ -159,23 +181,32 @@ TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int64_t c = std::min<int64_t>(16, n - t0);
+    [[maybe_unused]] __m512 ks;  // int8 rows: each token's scale, in its score's lane
+    if constexpr (kInt8Rows<T>) {
+      alignas(64) float scales[16] = {};
+      for (int64_t t = 0; t < c; ++t) scales[t] = row_scale(k + (t0 + t) * row_stride, d);
+      ks = _mm512_load_ps(scales);
+    }
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t)  // rows past n are not read (they may hold anything)
         acc[t] = t < c ? dot_lanes(q + g * d, k + (t0 + t) * row_stride, d) : _mm512_setzero_ps();
-      _mm512_storeu_ps(scores + g * s_stride + t0, _mm512_mul_ps(hsum16(acc), sc));
+      __m512 s = _mm512_mul_ps(hsum16(acc), sc);
+      if constexpr (kInt8Rows<T>) s = _mm512_mul_ps(s, ks);
+      _mm512_storeu_ps(scores + g * s_stride + t0, s);
       pf.issue();
     }
   }
 #else
   for (int64_t t = 0; t < n; ++t) {
     const T* kr = k + t * row_stride;
+    const float ks = row_scale(kr, d);
     for (int64_t g = 0; g < G; ++g) {
       const QT* qg = q + g * d;
       float acc = 0.0f;
       for (int64_t i = 0; i < d; ++i) acc += static_cast<float>(qg[i]) * static_cast<float>(kr[i]);
-      scores[g * s_stride + t] = acc * scale;
+      scores[g * s_stride + t] = kInt8Rows<T> ? acc * scale * ks : acc * scale;
     }
     pf.issue();
   }
@@ -232,7 +263,12 @@ TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float*
     for (int g = 0; g < GB; ++g) a[g] = _mm512_loadu_ps(acc + g * acc_stride + i);
     for (int64_t t = 0; t < n; ++t) {
       const __m512 vv = load16(v + t * row_stride + i);
-      for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
+      if constexpr (kInt8Rows<T>) {  // p * s * q: the row's scale folded into its weight
+        const float vs = row_scale(v + t * row_stride, d);
+        for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t] * vs), vv, a[g]);
+      } else {
+        for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
+      }
     }
     for (int g = 0; g < GB; ++g) _mm512_storeu_ps(acc + g * acc_stride + i, a[g]);
     pf.issue();
@@ -334,7 +370,7 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
     const T* vt = v + t * row_stride;
     for (int64_t g = 0; g < G; ++g) {
       float* ag = acc + g * acc_stride;
-      const float pg = p[g * p_stride + t];
+      const float pg = kInt8Rows<T> ? p[g * p_stride + t] * row_scale(vt, d) : p[g * p_stride + t];
       for (int64_t i = 0; i < d; ++i) ag[i] += pg * static_cast<float>(vt[i]);
     }
     pf.issue();
@@ -387,17 +423,19 @@ inline at::Tensor packed_rows(const at::Tensor& q) {
 // one row per sequence, and the output buffer the kernels write rows of ([T, H, D] like q, contiguous).
 inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, int64_t n_seqs, const at::Tensor& out,
-                                   const char* op) {
+                                   const char* op, bool int8_rows_ok = false) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
               ": CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, op, ": q must be [tokens, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
               ": k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache/v_cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(), op,
-              ": q, k_cache and v_cache must share a dtype");
+  const bool int8_rows = int8_rows_ok && k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8_rows || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": k_cache and v_cache must share q's dtype", int8_rows_ok ? " (or be int8 rows)" : "");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D > 0, op, ": head_dim must match and be a multiple of 16");
+  TORCH_CHECK(k_cache.size(3) == (int8_rows ? D + kScaleBytes : D) && D % 16 == 0 && D > 0, op,
+              ": head_dim must match and be a multiple of 16 (int8 rows: head_dim + 4 bytes)");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, op, ": num heads must be a multiple of num kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == n_seqs,
               op, ": block_tables must be int32 [num sequences, max_blocks]");

@@ -1,7 +1,9 @@
 // Paged decode attention for CPU.
 //
 // One query token per sequence attends to all of that sequence's cached keys, which live in
-// fixed-size blocks scattered through a pool (k_cache/v_cache: [num_blocks, block_size, KVH, D]).
+// fixed-size blocks scattered through a pool (k_cache/v_cache: [num_blocks, block_size, KVH, D] in
+// the query's dtype, or int8 rows [..., D + 4] whose last 4 bytes are the row's float32 scale: the
+// scale multiplies a token's score, and its weight in p.V, once per row).
 // Decode attention should be memory bound, so the design is about touching each K/V byte once and
 // keeping the arithmetic per byte small enough that it stays memory bound:
 //   * a work item is (sequence, range of kv heads[, range of blocks]); the query heads sharing a kv
@@ -88,10 +90,12 @@ struct Params {
 // kPrefetchAhead steps ahead in exactly that consumption order (K blocks of a chunk, then its V
 // blocks, then the next chunk's), one block's rows per step; blocks are scattered, so without it
 // each block would start with a full memory-latency stall.
-template <typename T, int DC>
-void run_item(const Params& P, const Item& it, Scratch<T>& S) {
+// T is the query's and output's type, KV the cache's: T itself, or int8 rows with their scales.
+template <typename T, typename KV, int DC>
+void run_item(const Params& P, const Item& it, Scratch<KV>& S) {
   const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
-  const int64_t row_stride = P.kvh * D;  // one token's row: all kv heads side by side
+  const int64_t HS = head_stride<KV>(D);
+  const int64_t row_stride = P.kvh * HS;  // one token's row: all kv heads side by side
   const int64_t block_stride = BS * row_stride;
   const int64_t n_kv = it.kvh_end - it.kvh;
   const int64_t h0 = static_cast<int64_t>(it.kvh) * G, nh = n_kv * G;  // query heads of the item
@@ -99,11 +103,11 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   const int64_t CB = chunk_blocks(BS);
   const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const int64_t len = P.seq_lens[it.seq];
-  const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
-  const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
+  const KV* kbase = static_cast<const KV*>(P.k) + it.kvh * HS;
+  const KV* vbase = static_cast<const KV*>(P.v) + it.kvh * HS;
 
   const T* q = static_cast<const T*>(P.q) + static_cast<int64_t>(it.seq) * P.q_stride + h0 * D;
-  for (int64_t i = 0; i < nh * D; ++i) S.q[i] = static_cast<typename QueryType<T>::type>(q[i]);
+  for (int64_t i = 0; i < nh * D; ++i) S.q[i] = static_cast<typename QueryType<KV>::type>(q[i]);
   std::fill_n(S.acc.begin(), nh * AS, 0.0f);
   std::fill_n(S.m.begin(), nh, kNegInf);
   std::fill_n(S.l.begin(), nh, 0.0f);
@@ -111,13 +115,13 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
   auto rows_in = [&](int64_t b) { return std::min<int64_t>(BS, len - b * BS); };
   // Consumption step s (K or V rows of one block) -> its region for the prefetcher.
   const int64_t n_steps = 2 * (it.blk_end - it.blk_begin);
-  const int64_t row_bytes = n_kv * D * static_cast<int64_t>(sizeof(T));
-  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = n_kv * HS * static_cast<int64_t>(sizeof(KV));
+  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(KV));
   Prefetcher pf;
   // issue() calls per step: block_scores makes one per (kv head, 16 tokens, head); the V pass one
   // per (kv head, head chunk, 32 dims) (16 dims without the pair path).
   const int64_t k_calls = n_kv * ((BS + 15) / 16) * G;
-  const int64_t v_calls = n_kv * ((G + kHeadChunk - 1) / kHeadChunk) * ((D + 31) / 32) * (kPairV<T> ? 1 : 2);
+  const int64_t v_calls = n_kv * ((G + kHeadChunk - 1) / kHeadChunk) * ((D + 31) / 32) * (kPairV<KV> ? 1 : 2);
   // Queue step s's region, spread over `calls` issue() calls (those of the step now starting).
   auto prefetch_step = [&](int64_t s, int64_t calls) {
     if (s >= n_steps) return;
@@ -139,9 +143,9 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
     for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
       prefetch_step(step + kPrefetchAhead, k_calls);
       const int64_t n = rows_in(b);
-      const T* kb = kbase + bt[b] * block_stride;
+      const KV* kb = kbase + bt[b] * block_stride;
       for (int64_t j = 0; j < n_kv; ++j)
-        block_scores(S.q.data() + j * G * D, G, kb + j * D, row_stride, n, D, P.scale,
+        block_scores(S.q.data() + j * G * D, G, kb + j * HS, row_stride, n, D, P.scale,
                      S.scores.data() + j * G * SS + off, SS, pf);
       off += n;
     }
@@ -150,22 +154,22 @@ void run_item(const Params& P, const Item& it, Scratch<T>& S) {
       const float alpha = softmax_update(S.scores.data() + h * SS, ntok, S.m[h], S.l[h]);
       if (alpha != 1.0f)
         for (int64_t i = 0; i < AS; ++i) S.acc[h * AS + i] *= alpha;
-      if constexpr (kPairV<T>) weights_to_bf16(S.scores.data() + h * SS, S.pb.data() + h * SS, ntok);
+      if constexpr (kPairV<KV>) weights_to_bf16(S.scores.data() + h * SS, S.pb.data() + h * SS, ntok);
     }
 
     for (int64_t b = c0, off = 0; b < c1; ++b, ++step) {
       prefetch_step(step + kPrefetchAhead, v_calls);
       const int64_t n = rows_in(b);
-      const T* vb = vbase + bt[b] * block_stride;
+      const KV* vb = vbase + bt[b] * block_stride;
       for (int64_t j = 0; j < n_kv; ++j)
         block_accumulate(S.acc.data() + j * G * AS, AS, S.scores.data() + j * G * SS + off,
-                         S.pb.data() + j * G * SS + off, SS, vb + j * D, n, row_stride, G, D, pf);
+                         S.pb.data() + j * G * SS + off, SS, vb + j * HS, n, row_stride, G, D, pf);
       off += n;
     }
   }
 
 #if defined(TANDEM_DPBF16)
-  if constexpr (kPairV<T>)
+  if constexpr (kPairV<KV>)
     for (int64_t h = 0; h < nh; ++h) unpermute_acc(S.acc.data() + h * AS, D);
 #endif
   if (it.slot < 0) {
@@ -211,7 +215,7 @@ void merge_parts(const Params& P, const Split& sp) {
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
   const int64_t BS = P.bs, KVH = P.kvh, G = P.group;
   const int64_t nthreads = std::max(1, at::get_num_threads());
@@ -289,10 +293,10 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(nthreads, n_items);
-  auto item_fn = P.d == 64 ? &run_item<T, 64> : P.d == 128 ? &run_item<T, 128> : &run_item<T, 0>;
+  auto item_fn = P.d == 64 ? &run_item<T, KV, 64> : P.d == 128 ? &run_item<T, KV, 128> : &run_item<T, KV, 0>;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<T> scratch(kv_per_chunk * G, P.d, chunk_blocks(BS) * BS);
+    Scratch<KV> scratch(kv_per_chunk * G, P.d, chunk_blocks(BS) * BS);
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
          i = next.fetch_add(1, std::memory_order_relaxed))
       item_fn(P, items[i], scratch);
@@ -313,7 +317,8 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
                                        at::Tensor& out) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode_attention: q must be [N, H, D]");
   const int64_t N = q_in.size(0);
-  check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_decode_attention");
+  check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_decode_attention",
+                         /*int8_rows_ok=*/true);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == N,
               "paged_decode_attention: seq_lens must be int32 [N]");
   if (N == 0) return out;
@@ -324,10 +329,11 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
   Params P{};
   fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
 
+  const bool int8_rows = k_cache.scalar_type() == at::kChar;
   if (q.scalar_type() == at::kFloat) {
-    run<float>(P, N, k_cache.size(0));
+    int8_rows ? run<float, int8_t>(P, N, k_cache.size(0)) : run<float, float>(P, N, k_cache.size(0));
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<bf16>(P, N, k_cache.size(0));
+    int8_rows ? run<bf16, int8_t>(P, N, k_cache.size(0)) : run<bf16, bf16>(P, N, k_cache.size(0));
   } else {
     TORCH_CHECK(false, "paged_decode_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from tandem.kv.layout import is_quantized, quantize_rows, readable
 from tandem.ops import extension
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -48,13 +49,14 @@ extension.register_fake("paged_prefill_attention.out", _fake_out)
 extension.register_fake("write_kv", _fake_write_kv)
 
 
-def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, int8_cache: bool = False) -> bool:
+    cache_dtypes = (q.dtype, torch.int8) if int8_cache else (q.dtype,)
     return (
         q.device.type == "cpu"
         and k_cache.device.type == "cpu"
         and q.dtype in _SUPPORTED_DTYPES
-        and k_cache.dtype == q.dtype
-        and v_cache.dtype == q.dtype
+        and k_cache.dtype in cache_dtypes
+        and v_cache.dtype == k_cache.dtype
         and q.shape[-1] % 16 == 0
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -64,7 +66,8 @@ def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when paged_prefill_attention can serve these inputs (loads the extension if needed).
-    The prefill kernel is AVX512-only; a portable build leaves prefill to the caller's fallback."""
+    The prefill kernel is AVX512-only; a portable build leaves prefill to the caller's fallback. It
+    reads caches in q's dtype only (an int8 pool's blocks are dequantized for it by the caller)."""
     return (_kernel_supports(q, k_cache, v_cache) and extension.op("paged_prefill_attention") is not None
             and _built_with_avx512())
 
@@ -112,12 +115,13 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V.
 
-    q: [N, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (same dtype as q, H % KVH == 0);
-    block_tables: int32 [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
+    q: [N, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] in q's dtype, or int8 rows
+    [..., D + 4] with their scales (tandem/kv/layout.py), H % KVH == 0; block_tables: int32
+    [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
     Query head h reads kv head h // (H // KVH). The softmax is computed in float32. The result is
     written into ``out`` (contiguous, q's shape and dtype) when given.
     """
-    if _kernel_supports(q, k_cache, v_cache):
+    if _kernel_supports(q, k_cache, v_cache, int8_cache=True):
         op = extension.op("paged_decode_attention")
         if op is not None:
             tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)  # no-ops when int32
@@ -131,17 +135,21 @@ def paged_decode_attention(
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K and V ([T, KVH, D], possibly strided views of a qkv projection) at
-    their flat pool slots (int64 [T]) of k_cache and v_cache ([num_blocks, block_size, KVH, D])."""
-    if (k.device.type == "cpu" and k_cache.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    their flat pool slots (int64 [T]) of k_cache and v_cache ([num_blocks, block_size, KVH, D], or
+    int8 rows [..., D + 4]: each row quantized with its own scale)."""
+    if (k.device.type == "cpu" and k_cache.device.type == "cpu" and k.dtype == v.dtype
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, torch.int8)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (k, v))
             and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
             and (op := extension.op("write_kv")) is not None):
         op(k, v, k_cache, v_cache, slot_mapping)
         return
-    kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    kvh, row = k_cache.shape[-2:]
+    if is_quantized(k_cache):
+        k, v = quantize_rows(k), quantize_rows(v)
+    k_cache.view(-1, kvh, row).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, row).index_copy_(0, slot_mapping, v)
 
 
 def paged_decode_attention_torch(
@@ -163,8 +171,8 @@ def paged_decode_attention_torch(
     table = torch.where(torch.arange(max_blocks, device=q.device) < blocks_used[:, None], table, 0)
     length = max_blocks * block_size
     # [N, blocks, BS, KVH, D] -> [N, KVH, L, D]
-    k = k_cache[table].reshape(n, length, kvh, d).transpose(1, 2)
-    v = v_cache[table].reshape(n, length, kvh, d).transpose(1, 2)
+    k = readable(k_cache[table], q.dtype).reshape(n, length, kvh, d).transpose(1, 2)
+    v = readable(v_cache[table], q.dtype).reshape(n, length, kvh, d).transpose(1, 2)
     mask = (torch.arange(length, device=q.device) < lens[:, None])[:, None, None, :]  # [N, 1, 1, L]
     # enable_gqa reads each kv head once for its query group (2x faster than repeat_interleave);
     # SDPA's CPU kernels accumulate the softmax in float32 for bf16 inputs.

@@ -30,6 +30,11 @@ using bf16 = c10::BFloat16;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
+// An int8 KV row's values as floats, unscaled (the row's scale is applied once per token).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline __m512 load16(const bf16* p) {
   // bf16 is the top half of a float: widen to 32 bits and shift.
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
