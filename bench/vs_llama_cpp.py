@@ -1,5 +1,6 @@
-"""Tandem (weights as stored, and dequantized) against llama.cpp's llama-server on the same GGUF file
-and the same cores, one server at a time, each under the same `tandem bench serve` workloads:
+"""Tandem (weights as stored, with an int8 KV cache, and dequantized) against llama.cpp's llama-server
+on the same GGUF file and the same cores, one server at a time, each under the same `tandem bench
+serve` workloads:
 
     one stream     256 in / 128 out, concurrency 1
     c8, c32        256 in / 128 out, concurrency 8 and 32
@@ -49,6 +50,11 @@ class Workload:
 WORKLOADS = [Workload("one-stream", 256, 128, 1, 4), Workload("c8", 256, 128, 8, 16),
              Workload("c32", 256, 128, 32, 64), Workload("long", 2048, 64, 16, 16)]
 SLOTS = 32  # llama-server's parallel sequences: the largest concurrency
+TANDEM_SERVERS = {  # name -> its `tandem serve` flags
+    "tandem": ["--quantization", "gguf"],  # the default: the file's blocks as stored
+    "tandem-int8kv": ["--quantization", "gguf", "--kv-cache-dtype", "int8"],
+    "tandem-dense": ["--quantization", "none"],  # dequantized to --dtype auto (bf16 where native)
+}
 SLOT_CONTEXT = 2304  # the longest request (2,048 + 64) and then some
 
 
@@ -57,10 +63,9 @@ def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
     if name == "llama.cpp":
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
                 "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "--no-webui"]
-    quantization = "gguf" if name == "tandem" else "none"
-    return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto",
-            "--quantization", quantization, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
-            *shlex.split(args.tandem_args)]
+    flags = TANDEM_SERVERS[name]
+    return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto", *flags,
+            "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS), *shlex.split(args.tandem_args)]
 
 
 def run_server(name: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
@@ -111,7 +116,7 @@ def run_server(name: str, args: argparse.Namespace, progress: Progress) -> list[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default="/work/llama/bin/llama-server")
-    ap.add_argument("--servers", default="tandem,tandem-dense,llama.cpp")
+    ap.add_argument("--servers", default="tandem,tandem-int8kv,tandem-dense,llama.cpp")
     ap.add_argument("--workloads", default="", help="comma-separated subset of " + ",".join(w.name for w in WORKLOADS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
