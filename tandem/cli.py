@@ -23,7 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=ModelConfig.quantization, choices=QUANTIZATION_CHOICES,
                    help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight), activations "
                         "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
-                        "dequantize to --dtype. A model directory is dense either way")
+                        "dequantize to --dtype; auto: gguf, or none where --dtype is bfloat16 computed natively "
+                        "(faster there, measured). A model directory is dense either way")
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)

@@ -10,11 +10,13 @@ import torch
 from tandem.kv.store.tiered import StoreSettings
 
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
+#   auto     gguf, except where the dense path of the model's dtype is faster: bfloat16 on a CPU that
+#            computes it natively (oneDNN / dpbf16 kernels; measured, README "Quantized weights")
 #   gguf     as stored (Q4_0 / Q4_1 / Q8_0), multiplied with activations in float
 #   gguf-q8  as stored, activations rounded to int8 per block (llama.cpp's arithmetic; see
 #            tandem/model/quant.py for why it is not the default)
 #   none     dequantized to the model's dtype
-QUANTIZATION_CHOICES = ("gguf", "gguf-q8", "none")
+QUANTIZATION_CHOICES = ("auto", "gguf", "gguf-q8", "none")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16}
@@ -49,7 +51,7 @@ class ModelConfig:
 
     model: str | None = None  # GGUF file, HF directory, or None for the default model
     dtype: torch.dtype = field(default_factory=auto_dtype)
-    quantization: str = "gguf"  # one of QUANTIZATION_CHOICES
+    quantization: str = "auto"  # one of QUANTIZATION_CHOICES
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
     seed: int = 0

@@ -148,6 +148,15 @@ def test_kernel_rejects_a_mismatched_weight(arith: str) -> None:
         linear(torch.randn(1, 64).double(), w.data, w.fmt.ggml_type, 64, None)
 
 
+@kernel
+def test_many_bf16_rows_run_one_bf16_gemm_on_the_dense_bf16_weights() -> None:
+    w, dense = make_weight("Q4_1", 96, 64, seed=10)
+    x = torch.randn(quant.gemm_rows() + 7, 64).bfloat16()
+    got = quant.quantized_linear(x, w)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.nn.functional.linear(x, dense.bfloat16()))  # what the dense bf16 model computes
+
+
 @pytest.mark.parametrize("arith", ARITHMETICS)
 def test_quantized_linear_without_the_extension_is_the_fallback(arith: str, monkeypatch: pytest.MonkeyPatch) -> None:
     int8 = ARITHMETICS[arith]

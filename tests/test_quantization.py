@@ -11,7 +11,8 @@ import torch
 
 from tandem import SamplingParams
 from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_bytes
-from tandem.model.loader import ModelLoadError, load_model
+from tandem.model.loader import ModelLoadError, load_model, resolve_quantization
+from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import Q4_1, Q8_0, QuantizedWeight
 from tandem.model.scoring import agreed_prefix, perplexity
 
@@ -72,4 +73,12 @@ def test_a_fused_layer_of_mixed_formats_is_dequantized() -> None:
 
 def test_an_unknown_quantization_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="unknown quantization"):
-        load_model(None, torch.float32, quantization="auto")
+        load_model(None, torch.float32, quantization="int3")
+
+
+def test_auto_serves_the_blocks_unless_bf16_is_native() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", torch.float32, cpu) == "gguf"
+    assert resolve_quantization("auto", torch.bfloat16, cpu) == ("none" if packing_supported(cpu, torch.bfloat16)
+                                                                 else "gguf")
+    assert resolve_quantization("gguf", torch.bfloat16, cpu) == "gguf"

@@ -23,6 +23,7 @@ dequantized for that call (a layer's worth, in a reused scratch buffer). The PyT
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -130,9 +131,18 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return _torch_q8_roundtrip(x)
 
 
-# Past this many rows the kernels lose to dequantizing the layer and one float32 GEMM (the
-# dequantization ~0.15 ms for a 1536 x 576 layer): bench/quantization.py --parts kernels.
-GEMM_ROWS = int(os.environ.get("TANDEM_QUANT_GEMM_ROWS", "32"))
+@functools.cache
+def gemm_rows() -> int:
+    """Past this many rows the kernels lose to dequantizing the layer and one float32 GEMM
+    (bench/quantization.py --parts kernels). With AVX512 (16-wide FMAs) the float kernel matched or
+    beat dequantize + GEMM up to 128 rows on the default model's shapes (960 x 576 at 128 rows: 1.48
+    against 1.82 ms) and lost from ~256 (13.1 against 8.8 ms at 512 for 1728 x 576); on AVX2 the
+    int8 kernel lost past 32. TANDEM_QUANT_GEMM_ROWS overrides it."""
+    if "TANDEM_QUANT_GEMM_ROWS" in os.environ:
+        return int(os.environ["TANDEM_QUANT_GEMM_ROWS"])
+    return 128 if (extension.extension_isa() or "").startswith("avx512") else 32
+
+
 # A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
 # fresh float32 copy (113 MB) costs more in page faults and memory traffic than the kernel's sums.
 MAX_DEQUANTIZED_WEIGHTS = 8 << 20
@@ -141,36 +151,50 @@ MAX_DEQUANTIZED_WEIGHTS = 8 << 20
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                      int8_activations: bool = False) -> torch.Tensor:
     """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
-    rows = x.numel() // w.in_features
-    small = rows <= GEMM_ROWS or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS
-    if _kernel(x) and small and x.dtype in (torch.float32, torch.bfloat16):
-        op = torch.ops.tandem.gguf_linear_q8 if int8_activations else torch.ops.tandem.gguf_linear
-        return op(x, w.data, w.fmt.ggml_type, w.in_features, bias)
+    if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
+        rows = x.numel() // w.in_features
+        if rows <= gemm_rows() or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS:
+            op = torch.ops.tandem.gguf_linear_q8 if int8_activations else torch.ops.tandem.gguf_linear
+            return op(x, w.data, w.fmt.ggml_type, w.in_features, bias)
+        if x.dtype == torch.bfloat16 and not int8_activations:
+            return bf16_gemm_linear(x, w, bias)
     return reference_linear(x, w, bias, int8_activations)
 
 
-_scratch: dict[torch.device, torch.Tensor] = {}
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _dequantized(w: QuantizedWeight) -> torch.Tensor:
-    """w in float32, in this device's scratch buffer where the kernel runs (valid until the next call)."""
-    if not _kernel(w.data):
-        return w.dequantize()
+def _scratch_matrix(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     n = w.out_features * w.in_features
-    buf = _scratch.get(w.data.device)
+    key = (w.data.device, dtype)
+    buf = _scratch.get(key)
     if buf is None or buf.numel() < n:
-        buf = _scratch[w.data.device] = torch.empty(n, dtype=torch.float32, device=w.data.device)
-    out = buf[:n].view(w.out_features, w.in_features)
+        buf = _scratch[key] = torch.empty(n, dtype=dtype, device=w.data.device)
+    return buf[:n].view(w.out_features, w.in_features)
+
+
+def _dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w in dtype, in this device's scratch buffer where the kernel runs (valid until the next call)."""
+    if not _kernel(w.data):
+        return w.dequantize().to(dtype)
+    out = _scratch_matrix(w, torch.float32)
     torch.ops.tandem.gguf_dequantize_into(out, w.data, w.fmt.ggml_type, w.in_features)
-    return out
+    return out if dtype == torch.float32 else _scratch_matrix(w, dtype).copy_(out)
 
 
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                      int8_activations: bool = False) -> torch.Tensor:
-    """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path."""
+    """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path for float32 x."""
     xf = q8_roundtrip(x) if int8_activations else x.float()
     out = F.linear(xf, _dequantized(w), None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def bf16_gemm_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 x on many rows: one bfloat16 GEMM (oneDNN, several times the float32 rate where the
+    CPU computes bf16 natively) on w dequantized and rounded to bfloat16, the very values the dense
+    bf16 model holds."""
+    return F.linear(x, _dequantized(w, torch.bfloat16), bias)
 
 
 def _fake_linear(x: torch.Tensor, w: torch.Tensor, qtype: int, in_features: int,
