@@ -203,16 +203,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                                out=out[:nd])
     if meta.num_prefills:
-        qp, kp, vp = q[nd:], k[nd:], v[nd:]
-        if is_quantized(k_cache):
+        qp = q[nd:]
+        quantized = is_quantized(k_cache)
+        if quantized:
             # Prompt chunks are bound by FLOPs, not bytes: the blocks they read, dequantized once a layer.
             assert meta.prefill_blocks is not None, "an int8 pool needs compact_prefill_blocks metadata"
             k_cache, v_cache = (readable(c[meta.prefill_blocks], q.dtype) for c in (k_cache, v_cache))
-            kp, vp = (readable(quantize_rows(x), q.dtype) for x in (kp, vp))  # as the pool holds them
         if prefill_kernel_supports(qp, k_cache, v_cache):
             paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_seq_lens, scale, out=out[nd:])
         else:
+            kp, vp = k[nd:], v[nd:]
+            if quantized:  # the fallback's causal group reads the new rows directly: as the pool holds them
+                kp, vp = (readable(quantize_rows(x), q.dtype) for x in (kp, vp))
             num_kv_heads, head_dim = k_cache.shape[-2:]
             k_flat = k_cache.view(-1, num_kv_heads, head_dim)
             v_flat = v_cache.view(-1, num_kv_heads, head_dim)

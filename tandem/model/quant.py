@@ -16,9 +16,9 @@ Two arithmetics multiply by them:
                    greedy token, so it is opt-in.
 
 Either kernel is one stream over the weight bytes for a few rows. For many rows, where the matmul's
-FLOPs and not its bytes set the time, the same values go through one float32 GEMM on weights
-dequantized for that call (a layer's worth, in a reused scratch buffer). The PyTorch fallbacks here
-(any device) compute the same.
+FLOPs and not its bytes set the time, the same values go through one GEMM on weights dequantized
+for that call (a layer's worth, in a reused scratch buffer): float32, or bfloat16 for bfloat16
+x. The PyTorch fallbacks here (any device) compute the same.
 """
 
 from __future__ import annotations
