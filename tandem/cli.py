@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\' '
+                        '(methods: ngram, suffix; README "Speculative decoding"); off by default')
     store = p.add_argument_group("tiered KV store (blocks kept below the pool, loaded instead of recomputed)")
     store.add_argument("--kv-offload-memory", type=float, default=CacheConfig.kv_offload_memory, metavar="GIB",
                        help="host-memory tier, shared by every worker on the host (0: none)")
@@ -78,7 +81,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                 kv_offload_memory=args.kv_offload_memory, kv_offload_path=args.kv_offload_path,
                 kv_offload_disk=args.kv_offload_disk, kv_offload_disk_size=args.kv_offload_disk_size,
-                kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl)
+                kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl,
+                speculative_config=args.speculative_config)
 
 
 def parse_weights(items: list[str]) -> dict[str, float]:

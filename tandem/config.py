@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -101,6 +102,67 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Model-free speculative decoding (tandem/spec/), shaped like vLLM's --speculative-config.
+
+    ngram: prompt lookup, the tokens that followed the last prompt_lookup_max..min tokens earlier in
+    the request. suffix: Arctic Inference's suffix decoding, the most frequent continuation of the
+    longest matching suffix in the request and in recent outputs of its tenant, as many tokens as
+    the match length and their estimated probability allow."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 8  # the most drafts a request verifies in one step
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24  # longest match plus continuation, in tokens
+    suffix_decoding_max_cached_requests: int = 1000  # finished outputs kept per tenant (0: the request only)
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts <= factor x match length
+    suffix_decoding_min_token_prob: float = 0.1  # stop where the continuation's estimated probability falls below
+    # Choose each request's drafts every step from its measured acceptance and this machine's step
+    # cost, so that a step only grows where the tokens it is expected to gain pay for it (spec/policy.py).
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in [1, 64]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 2 and max_cached_requests >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive and min_token_prob in [0, 1]")
+
+
 @dataclass
 class ParallelConfig:
     num_threads: int = field(default_factory=available_cpus)
@@ -112,6 +174,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: object) -> EngineConfig:
@@ -121,6 +184,9 @@ class EngineConfig:
         sections = (cfg.model, cfg.cache, cfg.scheduler, cfg.parallel)
         for key, value in kwargs.items():
             if value is None:
+                continue
+            if key == "speculative_config":
+                cfg.speculative = SpeculativeConfig.parse(value)  # type: ignore[arg-type]
                 continue
             target = next((s for s in sections if key in s.__dataclass_fields__), None)
             if target is None:
@@ -155,3 +221,5 @@ class EngineConfig:
             raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
         if self.parallel.num_threads < 1:
             raise ValueError("num_threads must be positive")
+        if self.speculative is not None:
+            self.speculative.validate()

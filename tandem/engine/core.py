@@ -23,6 +23,8 @@ from tandem.model.arch import ArchConfig
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.llama import LlamaForCausalLM
 from tandem.ops.extension import load_extension
+from tandem.spec.decoder import SpecDecoder
+from tandem.spec.profile import profile_step_cost, profiled_counts
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class EngineCore:
         self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    self.block_key_extra)
+        self.spec = self._spec_decoder(config)
         self.last_step = StepStats()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -111,6 +114,20 @@ class EngineCore:
                  config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
                  layout.name, layout.bytes_per_token(model.cfg), self.max_model_len)
 
+    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
+        spec = config.speculative
+        if spec is None:
+            return None
+        cost = None
+        if spec.adaptive:
+            counts = profiled_counts(spec.num_speculative_tokens,
+                                     min(config.scheduler.max_num_batched_tokens, self.max_model_len))
+            cost = profile_step_cost(self.runner, counts)
+            log.info("speculative decoding (%s, up to %d drafts): step cost %s", spec.method,
+                     spec.num_speculative_tokens, ", ".join(f"{int(n)}: {s * 1e3:.1f} ms"
+                                                            for n, s in zip(cost.tokens, cost.seconds, strict=True)))
+        return SpecDecoder(spec, self.max_model_len, cost)
+
     @property
     def num_blocks(self) -> int:
         return self.scheduler.kv.pool.num_blocks
@@ -121,7 +138,9 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.scheduler.abort(rid)
+            request = self.scheduler.abort(rid)
+            if request is not None and self.spec is not None:
+                self.spec.finish(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -135,11 +154,10 @@ class EngineCore:
                 self.connector.wait(0.005)
             self.last_step = StepStats(schedule_s=t1 - t0)
             return []
-        generators = {s.request.request_id: s.request.generator.get_state() for s in sched.scheduled
-                      if s.request.generator is not None}
-        result, errors = self._execute_isolating_failures(sched, generators)
+        result, errors = self._execute_isolating_failures(sched)
         t2 = time.perf_counter()
-        outputs = self._fail(sched, errors, generators) if errors else []
+        outputs = self._fail(sched, errors) if errors else []
+        drafts = {s.request.request_id: len(s.request.spec_token_ids) for s in sched.scheduled}
         changed = self.scheduler.update_from_output(sched, result.sampled)
         for r, new in changed:
             self.num_generation_tokens += len(new)
@@ -157,13 +175,29 @@ class EngineCore:
         if prompt_tokens < sched.total_num_tokens:
             self.decode_busy_s += step_s
             self.num_decode_steps += 1
+        if self.spec is not None:
+            self._speculate(sched, result.sampled, drafts, errors, step_s)
         return outputs
 
-    def _execute_isolating_failures(self, sched: SchedulerOutput, generators: dict[str, torch.Tensor]
-                                    ) -> tuple[RunnerOutput, dict[str, str]]:
+    def _speculate(self, sched: SchedulerOutput, sampled: dict[str, list[int]], drafts: dict[str, int],
+                   errors: dict[str, str], step_s: float) -> None:
+        """Count what was verified, let finished requests go, and propose for the next step."""
+        spec = self.spec
+        assert spec is not None
+        spec.observe_step(sched.total_num_tokens, step_s)
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            if rid in sampled:
+                spec.verified(rid, drafts[rid], sampled[rid])
+            if s.request.is_finished or rid in errors:
+                spec.finish(s.request)
+        spec.propose(self.scheduler.running)
+
+    def _execute_isolating_failures(self, sched: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
         """Run the step; when it raises, find the requests that make it fail by running halves of it
         (each half is a valid step on its own) and fail only those: everyone else's tokens are the
-        ones they would have had without them."""
+        ones they would have had without them (a seeded request's noise is a function of its seed
+        and position, so a retried one samples the same tokens)."""
         try:
             return self.runner.execute(sched), {}
         except Exception as e:
@@ -174,9 +208,6 @@ class EngineCore:
         pending = [sched.scheduled]
         while pending:
             items = pending.pop()
-            for s in items:  # a retried request samples from the same random state again
-                if s.request.request_id in generators:
-                    s.request.generator.set_state(generators[s.request.request_id])
             try:
                 part = self.runner.execute(SchedulerOutput(items, connector_meta=self.connector.build_step(items)))
             except Exception as e:
@@ -189,8 +220,7 @@ class EngineCore:
             merged.logprobs.update(part.logprobs)
         return merged, errors
 
-    def _fail(self, sched: SchedulerOutput, errors: dict[str, str],
-              generators: dict[str, torch.Tensor]) -> list[EngineCoreOutput]:
+    def _fail(self, sched: SchedulerOutput, errors: dict[str, str]) -> list[EngineCoreOutput]:
         """Finish the failing requests with an error and drop them from the step. Their blocks that
         this step was to fill leave the prefix cache, and a request that shared one of them within
         the step read KV that was never written: it is undone and computed again (preempted), which
@@ -208,9 +238,7 @@ class EngineCore:
                     unwritten |= set(self.scheduler.kv.uncache_uncomputed(s.request))
                     grew = True
         sched.scheduled = [s for s in sched.scheduled if s.request.request_id not in failed | redo.keys()]
-        for rid, request in redo.items():
-            if rid in generators:
-                request.generator.set_state(generators[rid])
+        for rid in redo:
             self.connector.reset(rid)
             self.scheduler.requeue(rid)
         outputs = []

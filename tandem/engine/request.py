@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tandem.sampling_params import SamplingParams
 
 
@@ -63,25 +61,9 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self._seed_generator()
-
-    def _seed_generator(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
-
-    # Requests cross the frontend/core process seam before any sampling: the generator is rebuilt
-    # from the seed on the other side rather than pickled.
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "generator"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.generator = None
-        self._seed_generator()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -85,6 +85,7 @@ class ModelRunner:
         block_tables = np.zeros((len(items), max_blocks), dtype=np.int32)
         input_ids: list[int] = []
         sampling: list[Request] = []
+        drafts: list[list[int]] = []
         logits_indices: list[int] = []
         offset = 0
         for row, s in enumerate(items):
@@ -94,8 +95,11 @@ class ModelRunner:
             input_ids.extend(tokens[start:start + s.num_new_tokens])
             offset += s.num_new_tokens
             if start + s.num_new_tokens >= len(tokens):  # reached the end: this request samples
+                # One row for its next token, and one after each of its drafts (verification).
+                n = min(len(r.spec_token_ids), s.num_new_tokens - 1)
                 sampling.append(r)
-                logits_indices.append(offset - 1)
+                drafts.append(r.spec_token_ids[:n])
+                logits_indices.extend(range(offset - 1 - n, offset))
         rows = np.asarray(logits_indices, dtype=np.int64)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
                                         self.device, rows, compact_prefill_blocks=self.kv_quantized)
@@ -118,10 +122,10 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
         if sampling:
-            out = sample(logits.cpu(), sampling)
-            for r, token, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
-                sampled[r.request_id] = [token]
+            out = sample(logits.cpu(), sampling, drafts if any(drafts) else None)
+            for r, tokens, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
+                sampled[r.request_id] = tokens
                 if lp is not None:
-                    logprobs[r.request_id] = [lp]
+                    logprobs[r.request_id] = lp
         t3 = time.perf_counter()
         return RunnerOutput(sampled, logprobs, StepTimings(t1 - t0, t2 - t1, t3 - t2))

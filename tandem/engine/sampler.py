@@ -1,8 +1,18 @@
-"""Logits -> tokens, with per-request parameters, vectorised over the batch.
+"""Logits -> tokens, with per-request parameters, vectorised over the batch; and the verification
+of speculative drafts, which is the same operation.
 
-Random sampling uses the exponential-race trick (argmax of p / E with E ~ Exp(1)), which lets a
-seeded request draw its noise from its own generator: its tokens do not depend on what else is
-in the batch. Greedy requests skip all of it.
+Random sampling uses the exponential race: the token at a position is argmax(p / E) with E ~ Exp(1)
+drawn for that position. A seeded request draws each position's E from a generator seeded by
+(seed, position), so its tokens depend neither on the batch nor on speculation.
+
+Verification (speculative decoding): a request with k drafts has k + 1 logits rows, row j after
+its j-th draft. Each row's token is chosen exactly as above, in that row's context (penalties and
+min_tokens count the drafts before it); the drafts are accepted while they equal their row's
+token, and the first row that disagrees (or the row after the last draft) adds its own token. For
+greedy rows that is "accept while draft = argmax". For sampled rows it accepts a draft x with
+probability P(argmax(p / E) = x) = p(x) and otherwise emits a token distributed as p without x,
+renormalised: rejection sampling for a deterministic proposal, so the output keeps the target
+distribution exactly, and a seeded request's tokens equal those it would have had without drafts.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import torch
 
 from tandem.engine.request import Request
 from tandem.ops import fused
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass
@@ -26,11 +37,51 @@ class SampleLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[SampleLogprobs | None]
+    token_ids: list[list[int]]  # per request: its accepted drafts, then one token of its own
+    logprobs: list[list[SampleLogprobs] | None]
 
 
-def _penalise(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+@dataclass
+class DraftRow:
+    """A request's logits row after `offset` of its drafts: what penalties and min_tokens see there."""
+
+    request: Request
+    drafts: list[int]
+    offset: int
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts[:self.offset]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.drafts[:self.offset]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + self.offset
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.request.eos_token_id
+
+
+Row = Request | DraftRow
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of a seeded request's noise at one output position (splitmix64 of both)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return torch.Generator().manual_seed((z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF)
+
+
+def _penalise(logits: torch.Tensor, requests: list[Row]) -> torch.Tensor:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.presence_penalty
             or r.sampling_params.frequency_penalty or r.sampling_params.repetition_penalty != 1.0]
     if not rows:
@@ -51,7 +102,7 @@ def _penalise(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
-def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _mask_min_tokens(logits: torch.Tensor, requests: list[Row]) -> None:
     for i, r in enumerate(requests):
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
@@ -77,25 +128,29 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: [B, V] in the model's dtype, one row per request in the same order.
+def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None) -> SamplerOutput:
+    """logits: [R, V] in the model's dtype: one row per request in the same order, or, with drafts,
+    1 + len(drafts[i]) consecutive rows for request i.
 
     Greedy rows take the argmax of the logits as they are (for bf16 that is the same token as the
     argmax of their float32 copy); only rows that transform or sample are widened to float32."""
-    params = [r.sampling_params for r in requests]
+    drafts = drafts or [[] for _ in requests]
+    rows: list[Row] = [r if j == 0 else DraftRow(r, d, j) for r, d in zip(requests, drafts, strict=True)
+                       for j in range(len(d) + 1)]
+    params = [r.sampling_params for r in rows]
     raw_logits = logits
     if any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
            for p in params):
         logits = logits.to(torch.float32, copy=True)
-        _mask_min_tokens(logits, requests)
-        logits = _penalise(logits, requests)
+        _mask_min_tokens(logits, rows)
+        logits = _penalise(logits, rows)
 
-    greedy = [p.greedy for p in params]
     tokens = fused.argmax(logits)
-    if not all(greedy):
-        idx = torch.tensor([i for i, g in enumerate(greedy) if not g])
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows)
         sub = logits[idx].float()
-        sub_params = [params[i] for i in idx.tolist()]
+        sub_params = [params[i] for i in random_rows]
         temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype).unsqueeze(1)
         sub = sub / temps
         if any(p.top_k or p.top_p < 1 or p.min_p for p in sub_params):
@@ -104,22 +159,46 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
                           torch.tensor([p.min_p for p in sub_params], dtype=sub.dtype))
         probs = sub.softmax(-1)
         noise = torch.empty_like(probs)
-        for row, i in enumerate(idx.tolist()):
-            noise[row].exponential_(generator=requests[i].generator)
+        for n, i in enumerate(random_rows):
+            seed = params[i].seed
+            gen = None if seed is None else position_generator(seed, rows[i].num_output_tokens)
+            noise[n].exponential_(generator=gen)
         tokens[idx] = (probs / noise).argmax(-1)
 
-    token_list = tokens.tolist()
-    logprobs: list[SampleLogprobs | None] = [None] * len(requests)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    row_tokens = tokens.tolist()
+    token_ids: list[list[int]] = []
+    kept_rows: list[int] = []
+    first = 0
+    for d in drafts:
+        j = 0
+        while j < len(d) and row_tokens[first + j] == d[j]:
+            j += 1
+        token_ids.append(row_tokens[first:first + j + 1])
+        kept_rows.extend(range(first, first + j + 1))
+        first += len(d) + 1
+    return SamplerOutput(token_ids, _logprobs(raw_logits, params, row_tokens, kept_rows, drafts))
+
+
+def _logprobs(raw_logits: torch.Tensor, params: list[SamplingParams], row_tokens: list[int], kept_rows: list[int],
+              drafts: list[list[int]]) -> list[list[SampleLogprobs] | None]:
+    """Logprobs of the model's distribution at each emitted token, before any sampling
+    transformation (as vLLM reports)."""
+    want = [i for i in kept_rows if params[i].logprobs is not None]
+    by_row: dict[int, SampleLogprobs] = {}
     if want:
-        # Logprobs of the model's distribution, before any sampling transformation (as vLLM reports).
         lp = raw_logits[want].float().log_softmax(-1)
         k = max(params[i].logprobs or 0 for i in want)
         top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        for row, i in enumerate(want):
-            n = params[i].logprobs or 0
-            token_lp = lp[row, token_list[i]]
-            rank = int((lp[row] > token_lp).sum().item()) + 1
-            logprobs[i] = SampleLogprobs(token_list[i], token_lp.item(), rank, top_ids[row, :n].tolist(),
-                                         top_vals[row, :n].tolist())
-    return SamplerOutput(token_list, logprobs)
+        for n, i in enumerate(want):
+            top = params[i].logprobs or 0
+            token_lp = lp[n, row_tokens[i]]
+            rank = int((lp[n] > token_lp).sum().item()) + 1
+            by_row[i] = SampleLogprobs(row_tokens[i], token_lp.item(), rank, top_ids[n, :top].tolist(),
+                                       top_vals[n, :top].tolist())
+    out: list[list[SampleLogprobs] | None] = []
+    first = 0
+    for d in drafts:
+        rows = [i for i in range(first, first + len(d) + 1) if i in by_row]
+        out.append([by_row[i] for i in rows] if rows else None)
+        first += len(d) + 1
+    return out

@@ -189,13 +189,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         # Running requests past their prompt first, oldest first: one token each (plus drafts), so
-        # no prompt, however long, ever stalls a stream.
+        # no prompt, however long, ever stalls a stream. Drafts get only the budget left once every
+        # stream has its own token.
+        draft_budget = step.budget - self.num_decoding()
         for request in list(self.running):
             if step.budget <= 0:
                 break
             num_new = self._num_new(request)
             if request.status != RequestStatus.RUNNING or num_new <= 0 or self._is_prompt_work(request):
                 continue
+            if request.spec_token_ids:
+                num_new = self._fit_drafts(request, min(num_new, 1 + max(draft_budget, 0)))
+                draft_budget -= num_new - 1
             num_new = min(num_new, step.budget)
             if self._allocate_or_preempt(request, num_new, step):
                 step.add(request, num_new)
@@ -302,6 +307,15 @@ class Scheduler:
                 return False
         return True
 
+    def _fit_drafts(self, request: Request, num_new: int) -> int:
+        """Keep the drafts that fit in num_new tokens and in free blocks: a draft never preempts
+        anyone (the request then runs its own token alone). Returns the tokens to schedule."""
+        del request.spec_token_ids[num_new - 1:]
+        if request.spec_token_ids and self.kv.allocate_slots(request, num_new) is None:
+            request.spec_token_ids.clear()
+            return 1
+        return num_new
+
     @staticmethod
     def _num_new(request: Request) -> int:
         return request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
@@ -334,8 +348,9 @@ class Scheduler:
             tokens = sampled.get(request.request_id)
             if not tokens:
                 continue  # a prompt chunk that did not reach the end
-            # Accepted draft tokens were computed this step; rejected ones are recomputed later.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            # Accepted drafts (all but the last token) were computed this step: their KV stays. The
+            # rejected ones' slots are overwritten by the tokens computed there next.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens + len(tokens) - 1)
             request.spec_token_ids = []
             if request.first_token_time is None:
                 request.first_token_time = now

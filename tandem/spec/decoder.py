@@ -1,0 +1,105 @@
+"""Speculative decoding in the engine core: after each step, drafts for the requests that decode
+next; after the step that verified them, what was accepted.
+
+The scheduler schedules a request's drafts with its next token (spec_token_ids) and trims them to
+the budget and the free blocks; the runner computes a logits row after each; the sampler accepts
+the longest prefix that its rows agree with and adds one token (sampler.py); the scheduler keeps
+the accepted drafts' KV and drops the rest (their slots are overwritten, and a block is hashed
+into the prefix cache only once every token in it is an accepted one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.config import SpeculativeConfig
+from tandem.engine.request import Request, RequestStatus
+from tandem.spec.policy import SpecPolicy, StepCost
+from tandem.spec.proposer import Proposer, make_proposer
+
+
+@dataclass
+class SpecStats:
+    """Running totals, vLLM's spec_decode_* counters: verifications with at least one draft, drafts
+    verified, drafts accepted, and drafts accepted at each position (1-based)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step yields for its request: accepted drafts plus its own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def add(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        pos = self.accepted_per_pos
+        pos.extend([0] * (len(other.accepted_per_pos) - len(pos)))
+        for i, n in enumerate(other.accepted_per_pos):
+            pos[i] += n
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, cost: StepCost | None,
+                 proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or make_proposer(config)
+        self.policy = SpecPolicy(config.num_speculative_tokens, cost if config.adaptive else None)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._match_len: dict[str, int] = {}  # of the drafts in flight, by request
+
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids of the running requests that decode next step."""
+        decoding = [r for r in running if r.status == RequestStatus.RUNNING
+                    and r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return
+        ids = [r.request_id for r in decoding]
+        caps = self.policy.choose(ids, [self._room(r) for r in decoding])
+        asked = [i for i, c in enumerate(caps) if c > 0]
+        if not asked:
+            return
+        proposals = self.proposer.propose([decoding[i] for i in asked], [caps[i] for i in asked])
+        available, match_lens = [0] * len(decoding), [0] * len(decoding)
+        for i, drafts in zip(asked, proposals, strict=True):
+            available[i], match_lens[i] = len(drafts.tokens), drafts.match_len
+        keep = self.policy.choose(ids, available, match_lens)
+        for i, drafts in zip(asked, proposals, strict=True):
+            if keep[i]:
+                decoding[i].spec_token_ids = drafts.tokens[:keep[i]]
+                self._match_len[decoding[i].request_id] = drafts.match_len
+
+    def _room(self, request: Request) -> int:
+        """Drafts that could still become output: max_tokens and the context each leave room for
+        all but the step's own token."""
+        room = self.max_model_len - request.num_tokens - 1
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return max(min(room, self.config.num_speculative_tokens), 0)
+
+    def verified(self, request_id: str, num_drafts: int, tokens: list[int]) -> None:
+        """A step verified num_drafts drafts of the request and sampled `tokens` (accepted + 1)."""
+        if not num_drafts:
+            return
+        accepted = len(tokens) - 1
+        self.policy.record(request_id, self._match_len.pop(request_id, 0), num_drafts, accepted)
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            s.accepted_per_pos[pos] += 1
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.policy.observe_step(num_tokens, seconds)
+
+    def finish(self, request: Request) -> None:
+        """The request left the engine: its state goes; a completed output teaches the proposer."""
+        self.policy.forget(request.request_id)
+        self._match_len.pop(request.request_id, None)
+        self.proposer.finish(request)

@@ -1,0 +1,111 @@
+"""When speculation pays: each step, the drafts that make the step's expected tokens per second grow.
+
+A step's time is overhead + f(tokens): f measured on this machine at start-up (profile.py), the
+overhead (attention over long contexts, Python, sampling) learned from the steps that ran. Draft j
+of request i yields alpha_i^j tokens in expectation: each draft is accepted, given the ones before
+it were, with probability alpha_i, the request's measured acceptance (a prior, the engine-wide rate,
+until it has its own). The policy takes drafts in order of expected yield and keeps the prefix that
+maximises (n + yield) / (overhead + f(n + drafts)) for n streams. At one stream, where a step costs
+its weight bytes whatever its tokens, most drafts pay; in a large batch, where each token costs
+FLOPs, only near-certain ones do, or none, and then no proposer runs at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# A draft's acceptance is estimated by how long a match it rests on (its bucket, over all requests),
+# then by its request's own record. A bucket starts optimistic and its counts decay every step, so a
+# bucket the policy stopped trying is tried again later (the workload may have changed).
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # lower bounds
+BUCKET_PRIOR, BUCKET_PRIOR_WEIGHT = 0.7, 2.0
+BUCKET_DECAY = 0.999  # per step: counts halve in ~700 steps
+REQUEST_PRIOR_WEIGHT = 4.0  # the bucket's estimate counts as this many of the request's own drafts
+OVERHEAD_EWMA = 0.2
+
+
+@dataclass
+class StepCost:
+    """Seconds of a forward pass of n tokens: measured points, linear between and past the last."""
+
+    tokens: np.ndarray
+    seconds: np.ndarray
+
+    def __call__(self, n: float) -> float:
+        t, s = self.tokens, self.seconds
+        if n <= t[-1] or len(t) < 2:
+            return float(np.interp(n, t, s))
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
+        return float(s[-1] + slope * (n - t[-1]))
+
+
+@dataclass
+class _Counts:
+    accepted: float = 0.0
+    rejected: float = 0.0  # verifications that ended at a rejected draft
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+
+
+def _bucket(match_len: int) -> int:
+    return int(np.searchsorted(MATCH_BUCKETS, match_len, side="right")) - 1 if match_len >= 1 else 0
+
+
+@dataclass
+class SpecPolicy:
+    num_speculative_tokens: int
+    cost: StepCost | None  # None: not adaptive, every proposed draft is verified
+    overhead_s: float = 0.0
+    _buckets: list[_Counts] = field(default_factory=lambda: [_Counts() for _ in MATCH_BUCKETS])
+    _requests: dict[str, _Counts] = field(default_factory=dict)
+
+    def acceptance(self, request_id: str, match_len: int | None) -> float:
+        """Estimated chance that a draft of this request, resting on a match of match_len tokens, is
+        accepted given the drafts before it were (None: the best any bucket offers)."""
+        rates = [b.rate(BUCKET_PRIOR, BUCKET_PRIOR_WEIGHT) for b in self._buckets]
+        prior = max(rates) if match_len is None else rates[_bucket(match_len)]
+        own = self._requests.get(request_id)
+        return own.rate(prior, REQUEST_PRIOR_WEIGHT) if own else prior
+
+    def record(self, request_id: str, match_len: int, num_drafts: int, num_accepted: int) -> None:
+        rejected = float(num_accepted < num_drafts)
+        for c in (self._requests.setdefault(request_id, _Counts()), self._buckets[_bucket(match_len)]):
+            c.accepted += num_accepted
+            c.rejected += rejected
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        for b in self._buckets:
+            b.accepted *= BUCKET_DECAY
+            b.rejected *= BUCKET_DECAY
+        if self.cost is not None:
+            sample = max(seconds - self.cost(num_tokens), 0.0)
+            self.overhead_s += OVERHEAD_EWMA * (sample - self.overhead_s)
+
+    def choose(self, request_ids: list[str], available: list[int], match_lens: list[int] | None = None) -> list[int]:
+        """Of available[i] drafts of request i (resting on matches of match_lens[i] tokens; None:
+        not proposed yet, assume the best), how many to verify this step."""
+        if self.cost is None:
+            return [min(a, self.num_speculative_tokens) for a in available]
+        lens = match_lens or [None] * len(request_ids)
+        alphas = [self.acceptance(rid, m) for rid, m in zip(request_ids, lens, strict=True)]
+        # Every candidate draft as (expected yield, request); a request's yields fall with j, so the
+        # best prefix of this order holds a prefix of each request's drafts.
+        yields = [(alpha ** j, i) for i, (alpha, a) in enumerate(zip(alphas, available, strict=True))
+                  for j in range(1, min(a, self.num_speculative_tokens) + 1)]
+        if not yields:
+            return [0] * len(available)
+        yields.sort(key=lambda y: -y[0])
+        n = len(request_ids)
+        gained = n + np.cumsum([0.0] + [y for y, _ in yields])
+        steps = self.overhead_s + np.array([self.cost(n + d) for d in range(len(yields) + 1)])
+        best = int(np.argmax(gained / steps))
+        counts = [0] * len(available)
+        for _, i in yields[:best]:
+            counts[i] += 1
+        return counts
