@@ -84,29 +84,34 @@ def _req(params: SamplingParams, outputs: list[int] = (), prompt: list[int] = (3
 
 def test_sampler_filters() -> None:
     logits = torch.tensor([[3.0, 2.9, 1.0, 0.0, -1.0]])
-    g = torch.Generator().manual_seed(0)
     for params in (SamplingParams(temperature=1, top_k=1), SamplingParams(temperature=1, top_p=0.01),
                    SamplingParams(temperature=1, min_p=0.99)):
         r = _req(params)
-        r.generator = g
-        assert {sample(logits.clone(), [r]).token_ids[0] for _ in range(20)} == {0}
-    # top_k=2 only ever yields the two best tokens, and both appear.
+        assert {sample(logits.clone(), [r]).token_ids[0][0] for _ in range(20)} == {0}
+    # top_k=2 only ever yields the two best tokens, and both appear (a seeded request's noise is
+    # drawn per output position: the same position always samples the same token).
     r = _req(SamplingParams(temperature=1, top_k=2, seed=3))
-    assert {sample(logits.clone(), [r]).token_ids[0] for _ in range(60)} == {0, 1}
+    assert len({sample(logits.clone(), [r]).token_ids[0][0] for _ in range(5)}) == 1
+    seen = set()
+    for _ in range(60):
+        token = sample(logits.clone(), [r]).token_ids[0][0]
+        seen.add(token)
+        r.append_output_token(token)
+    assert seen == {0, 1}
 
 
 def test_penalties() -> None:
     logits = torch.tensor([[2.0, 1.9, 0.0, 0.0, 0.5]])
-    assert sample(logits.clone(), [_req(SamplingParams(temperature=0), [0])]).token_ids == [0]
+    assert sample(logits.clone(), [_req(SamplingParams(temperature=0), [0])]).token_ids == [[0]]
     for params in (SamplingParams(temperature=0, presence_penalty=0.5),
                    SamplingParams(temperature=0, frequency_penalty=0.5),
                    SamplingParams(temperature=0, repetition_penalty=1.2)):
-        assert sample(logits.clone(), [_req(params, [0])]).token_ids == [1], params
+        assert sample(logits.clone(), [_req(params, [0])]).token_ids == [[1]], params
     # The repetition penalty covers prompt tokens too (token 1 here); the others only outputs.
     strong = SamplingParams(temperature=0, repetition_penalty=100.0)
-    assert sample(logits.clone(), [_req(strong, [0], prompt=[1])]).token_ids == [4]
+    assert sample(logits.clone(), [_req(strong, [0], prompt=[1])]).token_ids == [[4]]
     assert sample(logits.clone(), [_req(SamplingParams(temperature=0, presence_penalty=2.0), [0], prompt=[1])]
-                  ).token_ids == [1]
+                  ).token_ids == [[1]]
 
 
 def test_utf8_incremental_detokenization(llm_fp32) -> None:  # noqa: ANN001

@@ -35,12 +35,19 @@ class CoreStats:
     decode_busy_s: float = 0.0
     num_decode_steps: int = 0
     num_decoding: int = 0  # running requests past their prompt: whom a new prompt's chunks would stall
+    # Speculative decoding (spec/decoder.py SpecStats): verifications with drafts, drafts verified,
+    # drafts accepted, and accepted drafts at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 # Running totals: a deployment's are the sum of its engines'.
 _TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_tokens", "num_generation_tokens",
            "prompt_busy_s", "num_computed_prompt_tokens", "num_running", "num_waiting", "num_used_blocks",
-           "num_blocks", "num_waiting_prompt_tokens", "decode_busy_s", "num_decode_steps", "num_decoding")
+           "num_blocks", "num_waiting_prompt_tokens", "decode_busy_s", "num_decode_steps", "num_decoding",
+           "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 @dataclass
@@ -81,11 +88,14 @@ def core_stats(core: Any) -> CoreStats:
     """core: an EngineCore."""
     s = core.stats()
     usage = core.scheduler.kv.usage()
+    spec = core.spec.stats if core.spec is not None else None
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
                      core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
                      core.connector.stats().get("tiers", {}), core.scheduler.num_waiting_prompt_tokens(),
-                     core.decode_busy_s, core.num_decode_steps, core.scheduler.num_decoding())
+                     core.decode_busy_s, core.num_decode_steps, core.scheduler.num_decoding(),
+                     *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
+                       if spec else ()))
 
 
 def sum_stats(parts: list[CoreStats]) -> CoreStats | None:
@@ -94,5 +104,9 @@ def sum_stats(parts: list[CoreStats]) -> CoreStats | None:
         return None
     totals = {f: sum(getattr(s, f) for s in parts) for f in _TOTALS}
     blocks, used = totals["num_blocks"], totals["num_used_blocks"]
+    per_pos = [0] * max(len(s.spec_accepted_per_pos) for s in parts)
+    for s in parts:
+        for i, n in enumerate(s.spec_accepted_per_pos):
+            per_pos[i] += n
     return CoreStats(kv_usage=used / blocks if blocks else 0.0, time=time.monotonic(),
-                     kv_store=merge_tier_stats([s.kv_store for s in parts]), **totals)
+                     kv_store=merge_tier_stats([s.kv_store for s in parts]), spec_accepted_per_pos=per_pos, **totals)

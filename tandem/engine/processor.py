@@ -13,6 +13,7 @@ from typing import Any
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.request import Request
+from tandem.engine.sampler import SampleLogprobs
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
 
@@ -182,26 +183,28 @@ class OutputProcessor:
 
     def _update(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Apply one core output; True if a stop string ended the sequence here."""
-        seq.token_ids.extend(out.new_token_ids)
         seq.first_token_time = seq.first_token_time or out.first_token_time
         seq.scheduled_time = seq.scheduled_time or out.scheduled_time
         seq.num_cached_tokens, seq.num_preemptions = out.num_cached_tokens, out.num_preemptions
-        for lp in out.new_logprobs:
-            assert seq.logprobs is not None and seq.cumulative_logprob is not None
-            top = zip(lp.top_ids, lp.top_logprobs, strict=True)
-            entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(top)}
-            entry.setdefault(lp.token_id, Logprob(lp.token_logprob, lp.token_rank))
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += lp.token_logprob
         if out.finished:
             seq.finish_reason, seq.stop_reason, seq.finish_time = out.finish_reason, out.stop_reason, out.finish_time
-        if seq.detok is None:
-            return False
-        delta = seq.detok.add(out.new_token_ids, final=out.finished)
-        seq.text += delta
-        stops = seq.params.stop_strings
-        if delta and stops:
-            hit = find_stop(seq.text, len(delta), stops)
+        stops = seq.params.stop_strings if seq.detok is not None else []
+        ids = out.new_token_ids
+        # Several tokens in one output (accepted drafts) meet stop strings one at a time, so that a
+        # stop ends the output at the token that completed it, as it would have one step at a time.
+        groups = [ids[i:i + 1] for i in range(len(ids))] if stops and len(ids) > 1 else [ids]
+        lps = iter(out.new_logprobs)
+        for n, group in enumerate(groups):
+            last = n == len(groups) - 1
+            seq.token_ids.extend(group)
+            for lp in (next(lps, None) for _ in group):
+                if lp is not None:
+                    self._add_logprob(seq, lp)
+            if seq.detok is None:
+                continue
+            delta = seq.detok.add(group, final=out.finished and last)
+            seq.text += delta
+            hit = find_stop(seq.text, len(delta), stops) if delta and stops else None
             if hit is not None:
                 start, stop = hit
                 seq.text = seq.text[:start + (len(stop) if seq.params.include_stop_str_in_output else 0)]
@@ -209,6 +212,15 @@ class OutputProcessor:
                 seq.finish_time = seq.finish_time or time.monotonic()
                 return not out.finished
         return False
+
+    @staticmethod
+    def _add_logprob(seq: _Sequence, lp: SampleLogprobs) -> None:
+        assert seq.logprobs is not None and seq.cumulative_logprob is not None
+        top = zip(lp.top_ids, lp.top_logprobs, strict=True)
+        entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(top)}
+        entry.setdefault(lp.token_id, Logprob(lp.token_logprob, lp.token_rank))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += lp.token_logprob
 
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
         completions, deltas = [], []

@@ -62,13 +62,19 @@ class ServerMetrics:
                                   "by linear method (gguf-Q4_1: 4-bit blocks as stored).", ["model_name", "formats"],
                                   registry=r)
         self.kv_bytes_per_token = gauge("kv_cache_bytes_per_token", "Bytes of one token's KV, every layer.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of a request's speculative drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative draft tokens accepted, by position (0: the first draft).",
+                                             ("position",))
         self._last: CoreStats | None = None
         self.store = StoreMetrics(r, model_name)
         self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
         # Export every series from the start (at zero) rather than only once it first moves.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.rejected):
+                       self.prefix_hits, self.rejected, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             metric.labels(model_name)
 
     def observe_core(self, s: CoreStats | None) -> None:
@@ -88,9 +94,17 @@ class ServerMetrics:
             (self.preemptions, s.num_preemptions, prev.num_preemptions if prev else 0),
             (self.prefix_queries, s.prefix_queries, prev.prefix_queries if prev else 0),
             (self.prefix_hits, s.prefix_hits, prev.prefix_hits if prev else 0),
+            (self.spec_drafts, s.spec_num_drafts, prev.spec_num_drafts if prev else 0),
+            (self.spec_draft_tokens, s.spec_num_draft_tokens, prev.spec_num_draft_tokens if prev else 0),
+            (self.spec_accepted, s.spec_num_accepted_tokens, prev.spec_num_accepted_tokens if prev else 0),
         ):
             if now > before:
                 metric.labels(m).inc(now - before)
+        before_pos = prev.spec_accepted_per_pos if prev else []
+        for pos, now in enumerate(s.spec_accepted_per_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(now - before)
         self.store.observe(s.kv_store)
         self._last = s
 
