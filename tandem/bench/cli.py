@@ -70,6 +70,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of a short request")
     g.add_argument("--long-short-short-output-len", type=int, default=_W.long_short_short_output_len,
                    help="max_tokens of a short request")
+    g.add_argument("--copy-input-len", type=int, default=_W.copy_input_len,
+                   help="copy: about this many prompt tokens of code, docs or JSON that ship with Python")
+    g.add_argument("--copy-output-len", type=int, default=_W.copy_output_len, help="copy: max_tokens")
     g.add_argument("--trace-time-scale", type=float, default=_W.trace_time_scale,
                    help="multiply trace timestamps (0.5 replays twice as fast)")
     g.add_argument("--trace-block-size", type=int, default=_W.trace_block_size, help="tokens per trace hash id")

@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DATASETS = ("random", "synthetic_chat", "prefix_repetition", "multi_turn", "long_short", "mooncake_trace")
+from tandem.bench.copy_tasks import gen_copy
+
+DATASETS = ("random", "synthetic_chat", "prefix_repetition", "multi_turn", "long_short", "mooncake_trace", "copy")
 
 # Words come from the lowest token ids that pass the checks: those are the tokenizer's earliest
 # merges, i.e. common words, so prompts look like (nonsense) text rather than noise.
@@ -77,6 +79,9 @@ class WorkloadConfig:
     long_short_long_output_len: int = 16
     long_short_short_input_len: int = 128
     long_short_short_output_len: int = 128
+    # copy (copy_tasks.py): edit code, summarise with quotes, rewrite JSON
+    copy_input_len: int = 512
+    copy_output_len: int = 256
     # mooncake_trace
     dataset_path: str | None = None
     trace_time_scale: float = 1.0
@@ -306,6 +311,7 @@ _GENERATORS = {
     "multi_turn": gen_multi_turn,
     "long_short": gen_long_short,
     "mooncake_trace": gen_mooncake_trace,
+    "copy": gen_copy,
 }
 
 

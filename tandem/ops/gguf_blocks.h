@@ -101,12 +101,15 @@ inline at::Tensor finish_output(at::Tensor y, const at::Tensor& x_in, const std:
 
 // Walks the [M, N] output in tiles, calling run(MR, NR, m0, n0) with MR and NR as integral_constants:
 // rows of x in groups of up to four, weight rows in pairs (four at a time for one row, where no weight
-// block is reused across rows and more independent accumulators keep the FMAs busy). Threads split
-// the weight rows, so each output is computed the same way whatever the thread count.
+// block is reused across rows and more independent accumulators keep the FMAs busy; with AVX2, four
+// rows meet one weight row at a time and the last two or three rows form one tile, measured 1.9x
+// faster at three rows, a speculative verification's shape). Threads split the weight rows, so each
+// output is computed the same way whatever the thread count or the tiling.
 template <typename Run>
 void for_each_tile(int64_t M, int64_t N, Run&& run) {
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
+  using Three = std::integral_constant<int, 3>;
   using Four = std::integral_constant<int, 4>;
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
     const int64_t n_end = std::min(N, t1 * 4);
@@ -118,7 +121,21 @@ void for_each_tile(int64_t M, int64_t N, Run&& run) {
       }
       const bool pair = n0 + 2 <= n_end;
       int64_t m0 = 0;
+#if defined(__AVX512F__)
       for (; m0 + 4 <= M; m0 += 4) pair ? run(Four{}, Two{}, m0, n0) : run(Four{}, One{}, m0, n0);
+#else
+      // 16 ymm registers: a 4 x 2 tile's 16 accumulators would spill, so four rows meet one weight row.
+      for (; m0 + 4 <= M; m0 += 4) {
+        run(Four{}, One{}, m0, n0);
+        if (pair) run(Four{}, One{}, m0, n0 + 1);
+      }
+      // The last two or three rows as one tile too (a verification step's rows), not one by one.
+      if (M - m0 >= 2) {
+        for (int64_t j = 0; j < (pair ? 2 : 1); ++j)
+          M - m0 == 3 ? run(Three{}, One{}, m0, n0 + j) : run(Two{}, One{}, m0, n0 + j);
+        m0 = M;
+      }
+#endif
       for (; m0 < M; ++m0) pair ? run(One{}, Two{}, m0, n0) : run(One{}, One{}, m0, n0);
       n0 += pair ? 2 : 1;
     }
