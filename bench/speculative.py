@@ -11,6 +11,7 @@ writes bench/results/speculative/summary.json and speculative.png.
 
     .venv/bin/python bench/speculative.py
     .venv/bin/python bench/speculative.py --configs off,suffix --concurrency 1 --workloads copy
+    .venv/bin/python bench/speculative.py --configs 'off;k16={"method": "ngram", "num_speculative_tokens": 16}' 
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ SPEC = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tok
 
 def run_config(name: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
     rows = []
-    flags = ["--dtype", args.dtype, "--max-num-seqs", "64", *CONFIGS[name]]
+    spec = CONFIGS[name] if name in CONFIGS else ["--speculative-config", name.partition("=")[2]]
+    flags = ["--dtype", args.dtype, "--max-num-seqs", "64", *spec]
+    name = name.partition("=")[0]
     with serving(name, flags, args, progress) as server:
         for wname in args.workloads.split(","):
             w = WORKLOADS[wname]
@@ -109,7 +112,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="names of " + ", ".join(CONFIGS) + ", or NAME=JSON for a --speculative-config, ';'-separated")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--dtype", default="auto")
@@ -122,7 +126,7 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     with Progress(console=console, transient=True) as progress:
-        for name in args.configs.split(","):
+        for name in args.configs.split(";" if ";" in args.configs else ","):
             try:
                 rows += run_config(name, args, progress)
             except RunFailed as e:

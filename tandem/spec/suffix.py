@@ -5,7 +5,7 @@ tokens (its prompt and output), and the outputs of the tenant's recently finishe
 each match the proposal follows the most frequent continuation for as long as its estimated
 probability stays above min_token_prob, and for at most max_spec_factor x the match length tokens
 (a long match earns a long guess); match plus continuation stay within max_tree_depth tokens, as
-in a suffix tree of that depth. Of the two proposals the one with more tokens expected to be
+in a suffix tree of that depth (the match is cut to leave room for the drafts asked for). Of the two proposals the one with more tokens expected to be
 accepted is taken.
 
 Requests of one tenant (and cache salt) share a history; nothing crosses tenants. A shared history
@@ -78,7 +78,9 @@ class SuffixProposer:
         return out
 
     def _from(self, history: np.ndarray, pattern: np.ndarray, k: int) -> tuple[Drafts, float]:
-        m, ends = suffix_matches(history, pattern, self.max_depth - 1)
+        # The match leaves the tree's depth room for k drafts: a long copy's match would otherwise
+        # fill it (Arctic's speculation likewise weighs shorter matches with longer continuations).
+        m, ends = suffix_matches(history, pattern, max(self.max_depth - k, 1))
         limit = min(k, self.max_depth - m, int(self.max_spec_factor * m))
         if m == 0 or limit <= 0:
             return NO_DRAFTS, 0.0
