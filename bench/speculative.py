@@ -11,7 +11,7 @@ writes bench/results/speculative/summary.json and speculative.png.
 
     .venv/bin/python bench/speculative.py
     .venv/bin/python bench/speculative.py --configs off,suffix --concurrency 1 --workloads copy
-    .venv/bin/python bench/speculative.py --configs 'off;k16={"method": "ngram", "num_speculative_tokens": 16}' 
+    .venv/bin/python bench/speculative.py --configs 'off;k16={"method": "ngram", "num_speculative_tokens": 16}'
 """
 
 from __future__ import annotations

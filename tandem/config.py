@@ -150,6 +150,12 @@ class SpeculativeConfig:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
     def validate(self) -> None:
+        for f in fields(self):
+            value, kind = getattr(self, f.name), type(getattr(SpeculativeConfig, f.name))
+            ok = isinstance(value, int | float) and not isinstance(value, bool) if kind is float else \
+                isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"speculative_config {f.name} must be of type {kind.__name__}, got {value!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")

@@ -159,3 +159,17 @@ def test_real_tokenizer_counts_exactly() -> None:
     ids_a = tok.encode(shared + a, add_special_tokens=False)
     ids_b = tok.encode(shared + b, add_special_tokens=False)
     assert ids_a[:64] == ids_b[:64] == tok.encode(shared, add_special_tokens=False)
+
+
+def test_copy_prompts_hold_code_docs_and_json_that_ship_with_python(maker: TextMaker, tmp_path: Path) -> None:
+    from tandem.bench.copy_tasks import COPY_TASKS
+
+    sessions = generate(config("copy", tmp_path, num_prompts=6, copy_input_len=200, copy_output_len=64), maker)
+    assert [s.turns[0].category for s in sessions] == list(COPY_TASKS) * 2
+    assert all(s.turns[0].expected_output_len == 64 for s in sessions)
+    code, docs, data = (sessions[i].turns[0].prompt for i in range(3))
+    assert "```python\ndef " in code and code.rstrip().endswith("```")
+    assert docs.startswith("Summarise") and len(docs) > 200
+    records = json.loads(data[data.index("["):])  # cut at a whole record: still valid JSON
+    assert records and all(set(r) == {"code", "phrase", "description"} for r in records)
+    assert all(maker.count(s.turns[0].prompt) <= 200 + 40 for s in sessions)  # the budget plus the instruction

@@ -138,7 +138,11 @@ def test_speculative_config_errors_name_the_problem() -> None:
         SpeculativeConfig.parse({"num_draft_tokens": 3})
     with pytest.raises(ValueError, match="method must be one of"):
         SpeculativeConfig.parse('{"method": "eagle"}')
-    assert SpeculativeConfig.parse('{"method": "suffix"}').method == "suffix"
+    with pytest.raises(ValueError, match="num_speculative_tokens must be of type int"):
+        SpeculativeConfig.parse('{"num_speculative_tokens": "8"}')
+    with pytest.raises(ValueError, match="adaptive must be of type bool"):
+        SpeculativeConfig.parse('{"adaptive": 1}')
+    assert SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_spec_factor": 2}').method == "suffix"
 
 
 # -- verification -------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ tokens (its prompt and output), and the outputs of the tenant's recently finishe
 each match the proposal follows the most frequent continuation for as long as its estimated
 probability stays above min_token_prob, and for at most max_spec_factor x the match length tokens
 (a long match earns a long guess); match plus continuation stay within max_tree_depth tokens, as
-in a suffix tree of that depth (the match is cut to leave room for the drafts asked for). Of the two proposals the one with more tokens expected to be
-accepted is taken.
+in a suffix tree of that depth (the match is cut to leave room for the drafts asked for). Of the
+two proposals the one with more tokens expected to be accepted is taken.
 
 Requests of one tenant (and cache salt) share a history; nothing crosses tenants. A shared history
 is bounded by max_cached_requests sequences and MAX_SHARED_TOKENS tokens, oldest dropped, and at
