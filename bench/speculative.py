@@ -56,6 +56,7 @@ WORKLOADS = {
 }
 SPEC = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total",
         "tandem:spec_decode_num_accepted_tokens_total")
+PER_POSITION = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def run_config(name: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
@@ -68,20 +69,23 @@ def run_config(name: str, args: argparse.Namespace, progress: Progress) -> list[
             w = WORKLOADS[wname]
             for c in (int(x) for x in args.concurrency.split(",")):
                 out = args.out_dir / f"{name}-{wname}-c{c}.json"
-                before = scrape(server.url)
+                before = scrape(server.url, by=("position",))
                 t0 = time.monotonic()
                 bench_serve([tandem_exe(), "bench", "serve", "--base-url", server.url, *w.flags,
                              "--max-concurrency", str(c), "--num-prompts", str(c * PROMPTS_PER_STREAM.get(c, 1)),
                              "--num-warmups", "1", "--seed", str(args.seed), "--save-result", "--result-dir",
                              str(args.out_dir), "--result-filename", out.name, "--label", f"{name} {wname} c{c}"],
                             args.out_dir / "client.log", progress, f"{name} {wname} c{c}")
-                after = scrape(server.url)
+                after = scrape(server.url, by=("position",))
                 drafts, draft_tokens, accepted = (counter_delta(before, after, m) for m in SPEC)
+                per_pos = [counter_delta(before, after, PER_POSITION, str(i)) / drafts if drafts else 0.0
+                           for i in range(16)]
                 r = json.loads(out.read_text())
                 row = {"config": name, "workload": wname, "concurrency": c, "wall_s": time.monotonic() - t0,
                        "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
                        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
                        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                       "acceptance_per_position": [round(p, 3) for p in per_pos if p > 0],
                        **{k: r.get(k) for k in ("output_throughput", "total_output_tokens", "median_tpot_ms",
                                                 "median_ttft_ms", "median_itl_ms", "completed")}}
                 rows.append(row)

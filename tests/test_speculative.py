@@ -121,6 +121,8 @@ def test_the_policy_speculates_where_steps_cost_their_weights_and_not_where_they
     steep = StepCost(np.array([1.0, 1024.0]), np.array([0.002, 2.0]))  # every token costs the same
     policy = SpecPolicy(num_speculative_tokens=8, cost=flat)
     assert policy.choose(["a"], [8]) == [8]
+    # Beside prompt work that fills the step, a draft would take a prompt token's place: none.
+    assert policy.choose(["a"], [8], None, prompt_tokens=5000, budget=1024) == [0]
     assert SpecPolicy(8, cost=steep).choose([str(i) for i in range(64)], [8] * 64) == [0] * 64
     # A request whose drafts keep failing stops speculating where a token costs 3% of a step; the
     # others do not. (On the flat cost even its first drafts still pay.)

@@ -167,7 +167,9 @@ class EngineCore:
                 r.finish_time))
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
-        prompt_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+        # A decode with drafts computes several tokens too, but it is no prompt work.
+        own_tokens = [s.num_new_tokens - drafts[s.request.request_id] for s in sched.scheduled]
+        prompt_tokens = sum(n for n in own_tokens if n > 1)
         step_s = time.perf_counter() - t0
         if prompt_tokens:
             self.prompt_busy_s += step_s
@@ -176,22 +178,23 @@ class EngineCore:
             self.decode_busy_s += step_s
             self.num_decode_steps += 1
         if self.spec is not None:
-            self._speculate(sched, result.sampled, drafts, errors, step_s)
+            self._speculate(sched, result.sampled, drafts, errors, prompt_tokens, step_s)
         return outputs
 
     def _speculate(self, sched: SchedulerOutput, sampled: dict[str, list[int]], drafts: dict[str, int],
-                   errors: dict[str, str], step_s: float) -> None:
+                   errors: dict[str, str], prompt_tokens: int, step_s: float) -> None:
         """Count what was verified, let finished requests go, and propose for the next step."""
         spec = self.spec
         assert spec is not None
-        spec.observe_step(sched.total_num_tokens, step_s)
+        spec.observe_step(sched.total_num_tokens, sum(drafts.values()), prompt_tokens, step_s)
         for s in sched.scheduled:
             rid = s.request.request_id
             if rid in sampled:
                 spec.verified(rid, drafts[rid], sampled[rid])
             if s.request.is_finished or rid in errors:
                 spec.finish(s.request)
-        spec.propose(self.scheduler.running)
+        spec.propose(self.scheduler.running, self.scheduler.num_waiting_prompt_tokens(),
+                     self.config.scheduler.max_num_batched_tokens)
 
     def _execute_isolating_failures(self, sched: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
         """Run the step; when it raises, find the requests that make it fail by running halves of it

@@ -53,14 +53,15 @@ class SpecDecoder:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._match_len: dict[str, int] = {}  # of the drafts in flight, by request
 
-    def propose(self, running: list[Request]) -> None:
-        """Set spec_token_ids of the running requests that decode next step."""
+    def propose(self, running: list[Request], prompt_tokens: int = 0, budget: int = 1 << 30) -> None:
+        """Set spec_token_ids of the running requests that decode next step; prompt_tokens wait to
+        be computed within a step budget of `budget` tokens."""
         decoding = [r for r in running if r.status == RequestStatus.RUNNING
                     and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return
         ids = [r.request_id for r in decoding]
-        caps = self.policy.choose(ids, [self._room(r) for r in decoding])
+        caps = self.policy.choose(ids, [self._room(r) for r in decoding], None, prompt_tokens, budget)
         asked = [i for i, c in enumerate(caps) if c > 0]
         if not asked:
             return
@@ -68,7 +69,7 @@ class SpecDecoder:
         available, match_lens = [0] * len(decoding), [0] * len(decoding)
         for i, drafts in zip(asked, proposals, strict=True):
             available[i], match_lens[i] = len(drafts.tokens), drafts.match_len
-        keep = self.policy.choose(ids, available, match_lens)
+        keep = self.policy.choose(ids, available, match_lens, prompt_tokens, budget)
         for i, drafts in zip(asked, proposals, strict=True):
             if keep[i]:
                 decoding[i].spec_token_ids = drafts.tokens[:keep[i]]
@@ -95,8 +96,8 @@ class SpecDecoder:
         for pos in range(accepted):
             s.accepted_per_pos[pos] += 1
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.policy.observe_step(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, num_draft_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
+        self.policy.observe_step(num_tokens, num_draft_tokens, num_prompt_tokens, seconds)
 
     def finish(self, request: Request) -> None:
         """The request left the engine: its state goes; a completed output teaches the proposer."""

@@ -1,13 +1,20 @@
-"""When speculation pays: each step, the drafts that make the step's expected tokens per second grow.
+"""When speculation pays: each step, the drafts that make the step's expected useful tokens per
+second grow.
 
-A step's time is overhead + f(tokens): f measured on this machine at start-up (profile.py), the
-overhead (attention over long contexts, Python, sampling) learned from the steps that ran. Draft j
+A step's time is overhead + f(tokens) + scale x (f(tokens + drafts) - f(tokens)): f measured on
+this machine at start-up (profile.py); the overhead (attention over long contexts, Python,
+sampling) learned from decode steps without drafts, and the drafts' cost scale from those with
+them (a verifying request's queries leave the decode kernel for the multi-token attention path,
+which the profile's short context does not show: measured 2-3x the profile at 16 streams). Draft j
 of request i yields alpha_i^j tokens in expectation: each draft is accepted, given the ones before
-it were, with probability alpha_i, the request's measured acceptance (a prior, the engine-wide rate,
-until it has its own). The policy takes drafts in order of expected yield and keeps the prefix that
-maximises (n + yield) / (overhead + f(n + drafts)) for n streams. At one stream, where a step costs
-its weight bytes whatever its tokens, most drafts pay; in a large batch, where each token costs
-FLOPs, only near-certain ones do, or none, and then no proposer runs at all.
+it were, with probability alpha_i, estimated by the length of the match it rests on (over all
+requests) and then by the request's own record. The policy takes drafts in order of expected yield
+and keeps the prefix that maximises (n + P + yield) / (step time) for n streams
+and P prompt tokens computed in the same step: prompt tokens are as useful as output tokens, and
+where the step budget is full a draft takes a prompt token's place. At one stream, where a step
+costs its weight bytes whatever its tokens, most drafts pay; in a large batch or beside prompt
+chunks, where each token costs FLOPs, only near-certain ones do, or none, and then no proposer
+runs at all.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ BUCKET_PRIOR, BUCKET_PRIOR_WEIGHT = 0.7, 2.0
 BUCKET_DECAY = 0.999  # per step: counts halve in ~700 steps
 REQUEST_PRIOR_WEIGHT = 4.0  # the bucket's estimate counts as this many of the request's own drafts
 OVERHEAD_EWMA = 0.2
+DRAFT_COST_SCALE_RANGE = (0.5, 10.0)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class SpecPolicy:
     num_speculative_tokens: int
     cost: StepCost | None  # None: not adaptive, every proposed draft is verified
     overhead_s: float = 0.0
+    draft_cost_scale: float = 1.0
     _buckets: list[_Counts] = field(default_factory=lambda: [_Counts() for _ in MATCH_BUCKETS])
     _requests: dict[str, _Counts] = field(default_factory=dict)
 
@@ -79,17 +88,32 @@ class SpecPolicy:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, num_draft_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
+        """Learn from a step: decode-only steps teach the overhead (without drafts) or the drafts' cost
+        scale (with them); a step with prompt work has other costs (its attention, and f extrapolated
+        past the profile) and teaches neither."""
         for b in self._buckets:
             b.accepted *= BUCKET_DECAY
             b.rejected *= BUCKET_DECAY
-        if self.cost is not None:
-            sample = max(seconds - self.cost(num_tokens), 0.0)
+        if self.cost is None or num_prompt_tokens:
+            return
+        base = num_tokens - num_draft_tokens
+        if not num_draft_tokens:
+            sample = max(seconds - self.cost(base), 0.0)
             self.overhead_s += OVERHEAD_EWMA * (sample - self.overhead_s)
+            return
+        extra = self.cost(num_tokens) - self.cost(base)
+        if extra > 0:
+            lo, hi = DRAFT_COST_SCALE_RANGE
+            sample = min(max((seconds - self.overhead_s - self.cost(base)) / extra, lo), hi)
+            self.draft_cost_scale += OVERHEAD_EWMA * (sample - self.draft_cost_scale)
 
-    def choose(self, request_ids: list[str], available: list[int], match_lens: list[int] | None = None) -> list[int]:
+    def choose(self, request_ids: list[str], available: list[int], match_lens: list[int] | None = None,
+               prompt_tokens: int = 0, budget: int = 1 << 30) -> list[int]:
         """Of available[i] drafts of request i (resting on matches of match_lens[i] tokens; None:
-        not proposed yet, assume the best), how many to verify this step."""
+        not proposed yet, assume the best), how many to verify next step. prompt_tokens are waiting
+        to be computed, within a step budget of `budget` tokens: they are work as useful as output
+        tokens, and a draft that takes their place in a full step costs one of them."""
         if self.cost is None:
             return [min(a, self.num_speculative_tokens) for a in available]
         lens = match_lens or [None] * len(request_ids)
@@ -102,8 +126,12 @@ class SpecPolicy:
             return [0] * len(available)
         yields.sort(key=lambda y: -y[0])
         n = len(request_ids)
-        gained = n + np.cumsum([0.0] + [y for y, _ in yields])
-        steps = self.overhead_s + np.array([self.cost(n + d) for d in range(len(yields) + 1)])
+        drafts = np.arange(len(yields) + 1)
+        prompts = np.clip(budget - n - drafts, 0, prompt_tokens)
+        gained = n + prompts + np.cumsum([0.0] + [y for y, _ in yields])
+        base = np.array([self.cost(t) for t in n + prompts])
+        steps = self.overhead_s + base + self.draft_cost_scale * (
+            np.array([self.cost(t) for t in n + prompts + drafts]) - base)
         best = int(np.argmax(gained / steps))
         counts = [0] * len(available)
         for _, i in yields[:best]:
