@@ -39,7 +39,7 @@ CONFIGS = {
     "ngram": ["--speculative-config", json.dumps({"method": "ngram"})],
     "suffix": ["--speculative-config", json.dumps({"method": "suffix"})],
 }
-PROMPTS_PER_STREAM = {1: 6, 4: 3, 16: 2, 64: 1}  # prompts = concurrency x this: every run fills its streams
+PROMPTS_PER_STREAM = {1: 4, 4: 2, 16: 1, 64: 1}  # prompts = concurrency x this: every run fills its streams
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,17 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
 
 
+def json_object(text: str, what: str) -> dict:
+    """text as a JSON object, or a ValueError naming `what` (a flag, a setting)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return value
+
+
 SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
@@ -131,10 +142,7 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not JSON: {e}") from None
+            value = json_object(value, "speculative_config")
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object")
         known = {f.name for f in fields(cls)}

@@ -135,7 +135,7 @@ def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: 
         assert run_all(s, texts) == colocated_outputs["again"]
         sent_second = metric(s, "kv_transfer_sent_bytes") - sent_before - sent_first
         assert 0 < sent_second < sent_first
-        # Seeded sampling continues the prefill worker's random stream on the decode worker.
+        # Seeded sampling: a position's noise comes from (seed, position), on whichever worker samples it.
         seeded = run_all(s, texts[:3], temperature=0.9, seed=1234)
         assert seeded == colocated_outputs["seeded"]
         assert metric(s, "kv_transfers", outcome="ok") - transfers == 2 * len(texts) + 3

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ from tandem.bench.report import (
 )
 from tandem.bench.runner import RunConfig, RunResult, run
 from tandem.bench.workloads import Session, TextMaker, Tokenizer, WorkloadConfig, generate
+from tandem.config import json_object
 
 # Warm-up prompts come from another seed so they do not seed the prefix cache with the measured prompts.
 WARMUP_SEED_OFFSET = 1_000_003
@@ -91,15 +91,7 @@ def resolve_target(args: argparse.Namespace, tokenizer: Tokenizer | None = None)
 
 
 def parse_extra_body(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--extra-body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    return body
+    return json_object(text, "--extra-body") if text else {}
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:

@@ -117,8 +117,8 @@ class KVRecvConnector(KVConnector):
         self._expected: set[str] = set()
         self._loading: dict[str, int] = {}  # request id -> tokens the prefill worker writes
         self._reserved: list[TransferHandle] = []
-        self._arrived: dict[str, tuple[int, torch.Tensor | None]] = {}  # KV in place: first token, random state
-        self._landed: dict[str, tuple[int, torch.Tensor | None]] = {}
+        self._arrived: dict[str, int] = {}  # KV in place: the first token
+        self._landed: dict[str, int] = {}
 
     def expect(self, request_id: str) -> None:
         """The request with this id (added next) gets its prompt's KV from a prefill worker."""
@@ -129,12 +129,12 @@ class KVRecvConnector(KVConnector):
         out, self._reserved = self._reserved, []
         return out
 
-    def arrived(self, request_id: str, first_token: int, generator_state: torch.Tensor | None) -> bool:
+    def arrived(self, request_id: str, first_token: int) -> bool:
         """The prefill worker's KV is in place; False if the reservation is gone (aborted or expired)."""
         if request_id not in self._loading or request_id in self._arrived:
             return False
         self.receiver.close(request_id)  # no write may land once decoding reads these blocks
-        self._arrived[request_id] = (first_token, generator_state)
+        self._arrived[request_id] = first_token
         return True
 
     # -- scheduler half -------------------------------------------------------------------------
@@ -162,11 +162,8 @@ class KVRecvConnector(KVConnector):
         return FinishedTransfers(loads)
 
     def on_load_finished(self, request: Request, num_loaded_tokens: int) -> None:
-        token, generator_state = self._landed.pop(request.request_id)
-        request.append_output_token(token)
+        request.append_output_token(self._landed.pop(request.request_id))
         request.first_token_time = time.monotonic()
-        if generator_state is not None and request.generator is not None:
-            request.generator.set_state(generator_state)  # seeded sampling continues the same stream
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id

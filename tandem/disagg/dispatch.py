@@ -207,7 +207,7 @@ class Dispatcher:
             await self.send(decode, AbortRequests([rid]))
         else:
             flight.phase = Phase.DECODE
-            await self.send(decode, Admit(rid, first.new_token_ids[0], done.generator_state))
+            await self.send(decode, Admit(rid, first.new_token_ids[0]))
         await self.deliver([first])
         return True
 

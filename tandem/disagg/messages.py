@@ -13,7 +13,6 @@ request (a FlightReply): the request's routing task waits for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from tandem.disagg.transport import KVEndpoint, TransferHandle, TransferResult, TransferStats
 from tandem.engine.core import EngineCoreOutput
@@ -58,11 +57,11 @@ class Prefill:
 
 @dataclass
 class Admit:
-    """Decode worker: the KV landed; decode on from the prefill's token and random state."""
+    """Decode worker: the KV landed; decode on from the prefill's token (a seeded request's noise is
+    a function of its seed and position: nothing of the prefill's random state needs to travel)."""
 
     request_id: str
     first_token: int
-    generator_state: Any
 
 
 @dataclass
@@ -106,7 +105,6 @@ class ReserveFailed(FlightReply):
 @dataclass
 class Prefilled(FlightReply):
     output: EngineCoreOutput  # the first token
-    generator_state: Any  # the prefill's random state after sampling it
     result: TransferResult | None
 
 

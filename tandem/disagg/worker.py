@@ -109,7 +109,7 @@ class Worker(EngineService):
                                cores)
         self.transfer = TransferStats()
         self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
-        self.landing: dict[str, tuple] = {}  # sampled, KV in flight: request id -> (output, generator state)
+        self.landing: dict[str, EngineCoreOutput] = {}  # sampled, KV in flight: request id -> its output
         self.reserved_at: dict[str, float] = {}
         self.parent_pid: int | None = None  # a worker the router started goes when the router goes
         self._last_parent_check = 0.0
@@ -168,7 +168,7 @@ class Worker(EngineService):
 
     def _on_admit(self, msg: Admit) -> None:
         self.reserved_at.pop(msg.request_id, None)
-        if self.kv_recv is None or not self.kv_recv.arrived(msg.request_id, msg.first_token, msg.generator_state):
+        if self.kv_recv is None or not self.kv_recv.arrived(msg.request_id, msg.first_token):
             self.send(RequestsFailed([msg.request_id], "the decode worker no longer holds this request's KV"))
 
     def reserve(self, request: Request) -> None:
@@ -204,8 +204,7 @@ class Worker(EngineService):
                 continue
             # It ran with max_tokens 1: finished, and its connector finished the transfer; the router
             # hears of the token once the KV has landed.
-            state = request.generator.get_state() if request.generator is not None else None
-            self.landing[out.request_id] = (out, state)
+            self.landing[out.request_id] = out
         return plain
 
     def pending(self) -> bool:
@@ -237,7 +236,7 @@ class Worker(EngineService):
             if landed is None:
                 continue  # aborted meanwhile
             if result.ok:
-                self.send(Prefilled(result.request_id, landed[0], landed[1], result))
+                self.send(Prefilled(result.request_id, landed, result))
             else:
                 self.send(TransferFailed(result.request_id, result.error))
 
