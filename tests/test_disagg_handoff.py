@@ -83,7 +83,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, prompts: list[lis
         for result in send.sender.poll():
             assert result.ok, result.error
             token = landing.pop(result.request_id)
-            assert recv.arrived(result.request_id, token, None)
+            assert recv.arrived(result.request_id, token)
             out[result.request_id].append(token)
     while decode.has_unfinished():
         for o in decode.step():
