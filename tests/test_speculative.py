@@ -121,6 +121,10 @@ def test_the_policy_speculates_where_steps_cost_their_weights_and_not_where_they
     steep = StepCost(np.array([1.0, 1024.0]), np.array([0.002, 2.0]))  # every token costs the same
     policy = SpecPolicy(num_speculative_tokens=8, cost=flat)
     assert policy.choose(["a"], [8]) == [8]
+    # Past the profile's knee (here 16 tokens cost 2.5x one) the step is no longer bound by weight bytes.
+    kneed = SpecPolicy(8, cost=StepCost(np.array([1.0, 8.0, 16.0]), np.array([0.020, 0.030, 0.050])))
+    assert kneed.knee == 16
+    assert kneed.choose(["a"], [8]) != [0] and kneed.choose([str(i) for i in range(16)], [8] * 16) == [0] * 16
     # Beside prompt work that fills the step, a draft would take a prompt token's place: none.
     assert policy.choose(["a"], [8], None, prompt_tokens=5000, budget=1024) == [0]
     assert SpecPolicy(8, cost=steep).choose([str(i) for i in range(64)], [8] * 64) == [0] * 64

@@ -12,13 +12,14 @@ requests) and then by the request's own record. The policy takes drafts in order
 and keeps the prefix that maximises (n + P + yield) / (step time) for n streams
 and P prompt tokens computed in the same step: prompt tokens are as useful as output tokens, and
 where the step budget is full a draft takes a prompt token's place. At one stream, where a step
-costs its weight bytes whatever its tokens, most drafts pay; in a large batch or beside prompt
-chunks, where each token costs FLOPs, only near-certain ones do, or none, and then no proposer
-runs at all.
+costs its weight bytes whatever its tokens, most drafts pay. Past the profile's knee (a step of
+that many tokens costs twice a one-token step) every token costs FLOPs and speculation is off, and
+then no proposer runs at all.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,11 @@ BUCKET_DECAY = 0.999  # per step: counts halve in ~700 steps
 REQUEST_PRIOR_WEIGHT = 4.0  # the bucket's estimate counts as this many of the request's own drafts
 OVERHEAD_EWMA = 0.2
 DRAFT_COST_SCALE_RANGE = (0.5, 10.0)
+# A step is bound by its weight bytes while its tokens cost at most this many times one token's step
+# (the profile's knee). Past the knee each token costs FLOPs, and speculation is off: measured here,
+# the cost model alone let 16 and 64 streams lose 5-40% to drafts whose verification leaves the
+# decode kernel (a per-request cost the token count does not show).
+WEIGHT_BOUND_FACTOR = 2.0
 
 
 @dataclass
@@ -70,6 +76,13 @@ class SpecPolicy:
     draft_cost_scale: float = 1.0
     _buckets: list[_Counts] = field(default_factory=lambda: [_Counts() for _ in MATCH_BUCKETS])
     _requests: dict[str, _Counts] = field(default_factory=dict)
+
+    @functools.cached_property
+    def knee(self) -> int:
+        """The fewest tokens whose step costs more than WEIGHT_BOUND_FACTOR x one token's."""
+        assert self.cost is not None
+        over = self.cost.tokens[self.cost.seconds > WEIGHT_BOUND_FACTOR * self.cost(1)]
+        return int(over[0]) if len(over) else 1 << 30
 
     def acceptance(self, request_id: str, match_len: int | None) -> float:
         """Estimated chance that a draft of this request, resting on a match of match_len tokens, is
@@ -116,6 +129,9 @@ class SpecPolicy:
         tokens, and a draft that takes their place in a full step costs one of them."""
         if self.cost is None:
             return [min(a, self.num_speculative_tokens) for a in available]
+        n = len(request_ids)
+        if n + min(prompt_tokens, budget) >= self.knee:
+            return [0] * len(available)
         lens = match_lens or [None] * len(request_ids)
         alphas = [self.acceptance(rid, m) for rid, m in zip(request_ids, lens, strict=True)]
         # Every candidate draft as (expected yield, request); a request's yields fall with j, so the
@@ -125,7 +141,6 @@ class SpecPolicy:
         if not yields:
             return [0] * len(available)
         yields.sort(key=lambda y: -y[0])
-        n = len(request_ids)
         drafts = np.arange(len(yields) + 1)
         prompts = np.clip(budget - n - drafts, 0, prompt_tokens)
         gained = n + prompts + np.cumsum([0.0] + [y for y, _ in yields])
