@@ -154,9 +154,6 @@ class SpeculativeConfig:
         cfg.validate()
         return cfg
 
-    def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
-
     def validate(self) -> None:
         for f in fields(self):
             value, kind = getattr(self, f.name), type(getattr(SpeculativeConfig, f.name))

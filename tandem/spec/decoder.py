@@ -21,26 +21,12 @@ from tandem.spec.proposer import Proposer, make_proposer
 @dataclass
 class SpecStats:
     """Running totals, vLLM's spec_decode_* counters: verifications with at least one draft, drafts
-    verified, drafts accepted, and drafts accepted at each position (1-based)."""
+    verified, drafts accepted, and drafts accepted at each position (0: the first draft)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying step yields for its request: accepted drafts plus its own token."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def add(self, other: SpecStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        pos = self.accepted_per_pos
-        pos.extend([0] * (len(other.accepted_per_pos) - len(pos)))
-        for i, n in enumerate(other.accepted_per_pos):
-            pos[i] += n
 
 
 class SpecDecoder:
