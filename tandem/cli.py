@@ -334,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     wrk.set_defaults(func=cmd_worker)
 
     from tandem.bench.cli import add_bench_parser
+    from tandem.sim.cli import add_plan_parser, add_profile_parser
 
     add_bench_parser(sub)
+    add_profile_parser(sub)
+    add_plan_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -79,6 +79,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    add_target_args(p)
+    add_load_args(p, sweep)
+    add_output_args(p)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
                    help="openai: /v1/completions; openai-chat: /v1/chat/completions")
@@ -96,6 +102,8 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds without data before a request fails")
 
+
+def add_load_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("load")
     if sweep:
         g.add_argument("--request-rates", required=True, help="comma-separated request rates, e.g. 1,2,4")
@@ -109,6 +117,8 @@ def add_run_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="multi-turn: mean seconds (exponential, seeded) between a reply and the user's next turn")
     g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
 
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics and output")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000; goodput counts requests meeting all")
@@ -162,6 +172,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_run_args(sweep, sweep=True)
     add_workload_args(sweep)
     sweep.set_defaults(func=_cmd_sweep, request_rate=float("inf"))
+
+    from tandem.sim.cli import add_sim_parser
+
+    add_sim_parser(bench_sub, _Help)
 
     compare = bench_sub.add_parser("compare", help="result files side by side, with ratios to the first")
     compare.add_argument("results", nargs="+", help="result JSON files (the first is the baseline)")

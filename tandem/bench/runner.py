@@ -97,12 +97,12 @@ async def _run_session(http: httpx.AsyncClient, cfg: EndpointConfig, session: Se
     return records
 
 
-def _thinker(cfg: RunConfig, session_index: int) -> Callable[[], float]:
+def session_thinker(think_time_s: float, seed: int, session_index: int) -> Callable[[], float]:
     """The session's think times: seeded by the run's seed and the session, so reruns repeat them."""
-    if cfg.think_time_s <= 0:
+    if think_time_s <= 0:
         return lambda: 0.0
-    rng = np.random.default_rng([cfg.seed, session_index])
-    return lambda: float(rng.exponential(cfg.think_time_s))
+    rng = np.random.default_rng([seed, session_index])
+    return lambda: float(rng.exponential(think_time_s))
 
 
 def _client(cfg: RunConfig) -> httpx.AsyncClient:
@@ -122,7 +122,8 @@ async def run_sessions(cfg: RunConfig, sessions: list[Session], count_tokens: Ca
         with _Bar(num_requests(sessions), enabled, label) as bar:
             origin = time.perf_counter()
             tasks = [asyncio.create_task(_run_session(http, cfg.endpoint, s, i, firsts[i], origin + off, origin,
-                                                      gate, count_tokens, bar, _thinker(cfg, i)))
+                                                      gate, count_tokens, bar,
+                                                      session_thinker(cfg.think_time_s, cfg.seed, i)))
                      for i, (s, off) in enumerate(zip(sessions, offsets, strict=True))]
             results = await asyncio.gather(*tasks)
             duration = time.perf_counter() - origin

@@ -49,6 +49,14 @@ class EngineCoreOutput:
 
 
 @dataclass
+class LoggedStep:
+    """One step as scheduled and timed: what a simulator replays and a cost model is fitted to."""
+
+    scheduled: list[tuple[str, int, int, bool]]  # (request id, new tokens, tokens computed before, sampled)
+    seconds: float
+
+
+@dataclass
 class StepStats:
     num_scheduled_tokens: int = 0
     num_requests: int = 0
@@ -102,6 +110,7 @@ class EngineCore:
                                    self.block_key_extra)
         self.spec = self._spec_decoder(config)
         self.last_step = StepStats()
+        self.step_log: list[LoggedStep] | None = None  # a list: every step is recorded into it
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         # Time of steps with prompt chunks and their prompt tokens: what admission control divides.
@@ -154,6 +163,9 @@ class EngineCore:
                 self.connector.wait(0.005)
             self.last_step = StepStats(schedule_s=t1 - t0)
             return []
+        logged = None if self.step_log is None else [
+            (s.request.request_id, s.num_new_tokens, s.request.num_computed_tokens,
+             s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens) for s in sched.scheduled]
         result, errors = self._execute_isolating_failures(sched)
         t2 = time.perf_counter()
         outputs = self._fail(sched, errors) if errors else []
@@ -171,6 +183,8 @@ class EngineCore:
         own_tokens = [s.num_new_tokens - drafts[s.request.request_id] for s in sched.scheduled]
         prompt_tokens = sum(n for n in own_tokens if n > 1)
         step_s = time.perf_counter() - t0
+        if logged is not None and self.step_log is not None:
+            self.step_log.append(LoggedStep(logged, step_s))
         if prompt_tokens:
             self.prompt_busy_s += step_s
             self.num_computed_prompt_tokens += prompt_tokens

@@ -1,0 +1,139 @@
+"""The command lines: `tandem profile`, `tandem bench sim` and `tandem plan`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tandem.disagg.routing import POLICIES
+from tandem.sim.cost import RooflineCost, save_profile
+from tandem.sim.hardware import GPUS, LINKS, gpu
+from tandem.sim.model_shape import PRESETS, model_shape
+
+
+def _progress(text: str) -> None:
+    print(f"[profile] {text}", file=sys.stderr, flush=True)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    if args.gpu:
+        shape = model_shape(args.model_shape or "llama-13b", args.weight_bytes)
+        cost = RooflineCost(gpu(args.gpu, args.inter_node), shape, args.tp, args.kv_link)
+        save_profile(cost, args.output)
+        print(f"{args.gpu} x{args.tp}, {shape.name} ({shape.total_params / 1e9:.1f}B params, "
+              f"{shape.weight_bytes / 1e9:.1f} GB): room for {cost.kv_capacity_tokens():,} KV tokens; "
+              f"wrote {args.output}")
+        return 0
+    from tandem.cli import engine_kwargs
+    from tandem.config import EngineConfig
+    from tandem.sim.measure import ProfileGrid, profile
+
+    if args.cores:
+        from tandem.disagg.launch import parse_cores
+
+        os.sched_setaffinity(0, parse_cores(args.cores))
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    grid = ProfileGrid.quick() if args.quick else ProfileGrid()
+    transports = tuple(t for t in args.transports.split(",") if t)
+    cost, steps = profile(config, grid, _progress, transports)
+    save_profile(cost, args.output)
+    err = cost.meta["fit_error"]
+    print(f"{len(steps)} steps; fitted step time within {err['median'] * 100:.1f}% (median), "
+          f"{err['p90'] * 100:.1f}% (p90) of measured; wrote {args.output}")
+    for kind, fit in cost.transports.items():
+        print(f"  {kind}: {fit.latency_s * 1e3:.2f} ms + {fit.bandwidth / 1e9:.2f} GB/s")
+    return 0
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    from tandem.cli import add_engine_args
+
+    p = sub.add_parser("profile", help="measure this engine's step and transfer costs (or price a GPU's) "
+                                       "into a profile for `tandem bench sim` and `tandem plan`")
+    add_engine_args(p)
+    p.add_argument("--output", "-o", default="profile.json", help="where the profile goes")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds, for a smoke test)")
+    p.add_argument("--transports", default="shm,zmq", help="KV transports to time (comma-separated)")
+    p.add_argument("--cores", default=None, help="pin to these cores (as a worker is pinned), e.g. 0 or 0-1")
+    g = p.add_argument_group("analytic profile (no engine runs): a GPU's data sheet and a model's shape")
+    g.add_argument("--gpu", default=None, choices=sorted(GPUS), help="price steps on this GPU instead of measuring")
+    g.add_argument("--model-shape", default=None,
+                   help=f"a preset ({', '.join(PRESETS)}) or a config.json (default llama-13b)")
+    g.add_argument("--weight-bytes", type=float, default=None, help="bytes a weight (default: the preset's)")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallelism within a node")
+    g.add_argument("--kv-link", default="inter", choices=["intra", "inter"],
+                   help="prefill-to-decode KV: NVLink (same node) or the RDMA NIC")
+    g.add_argument("--inter-node", default=None, choices=sorted(LINKS), help="the NIC (default rdma-400g)")
+    p.set_defaults(func=_cmd_profile)
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the simulated deployment")
+    g.add_argument("--profile", required=True, help="a profile JSON (`tandem profile`) for every instance")
+    g.add_argument("--prefill-profile", default=None, help="prefill instances' own profile (default --profile)")
+    g.add_argument("--decode-profile", default=None, help="decode instances' own profile (default --profile)")
+    g.add_argument("--deployment", default="1C", help="instances: 1C (colocated), 1P1D, 2P4D, 1P1D1C...")
+    g.add_argument("--routing", default="least-loaded", choices=POLICIES, help="the router's policy in each pool")
+    g.add_argument("--mixed-threshold", type=int, default=512,
+                   help="with colocated and disaggregated pools: prompts up to this many tokens run colocated")
+    e = p.add_argument_group("engine settings (default: as the profile recorded them)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from tandem.sim.run import run_sim
+
+    result = run_sim(args)
+    return 0 if result["completed"] else 1
+
+
+def add_sim_parser(bench_sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    from tandem.bench.cli import add_load_args, add_output_args, add_workload_args
+
+    p = bench_sub.add_parser("sim", help="the same benchmark on a simulated deployment (a profile's costs)",
+                             formatter_class=formatter)
+    add_sim_args(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizes the workload (default: the default model's)")
+    add_load_args(p)
+    add_output_args(p)
+    add_workload_args(p)
+    p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from tandem.sim.plan_cli import run_plan
+
+    rows = run_plan(args)
+    return 0 if rows else 1
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from tandem.bench.cli import add_workload_args
+
+    p = sub.add_parser("plan", help="the deployment with the most goodput per GPU for a traffic and its SLOs")
+    g = p.add_argument_group("what to deploy")
+    g.add_argument("--profile", default=None,
+                   help="a measured profile (this machine: every instance one such engine; tp 1 only)")
+    g.add_argument("--gpu", default="H100", choices=sorted(GPUS), help="or price instances on this GPU")
+    g.add_argument("--model-shape", default="llama-13b", help=f"a preset ({', '.join(PRESETS)}) or a config.json")
+    g.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes to consider per phase")
+    g.add_argument("--max-gpus", type=int, default=8, help="GPUs a candidate may use")
+    g.add_argument("--max-instances", type=int, default=4, help="instances per pool a candidate may have")
+    g.add_argument("--kv-link", default="inter", choices=["intra", "inter"])
+    s = p.add_argument_group("SLOs")
+    s.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO, ms")
+    s.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO, ms")
+    s.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both")
+    o = p.add_argument_group("output")
+    o.add_argument("--tokenizer", default=None, help="tokenizes the workload (default: the default model's)")
+    o.add_argument("--output", default=None, help="write the ranked table as JSON here")
+    o.add_argument("--plot", default=None, help="write attainment vs rate per GPU (PNG) here")
+    o.add_argument("--top", type=int, default=15, help="rows to print")
+    add_workload_args(p)
+    p.set_defaults(func=_cmd_plan, num_prompts=200)

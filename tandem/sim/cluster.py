@@ -1,0 +1,288 @@
+"""A discrete-event simulation of a whole deployment: colocated instances, disaggregated xPyD, or
+both. Each instance runs the engine's scheduler (instance.py); the router's own policies pick the
+instances (routing.py's Router over a PrefixIndex fed by the instances' KV events); a disaggregated
+request follows the cluster's protocol (reserve on the decode instance, prefill with max_tokens 1,
+the KV leaving layer by layer over one link per prefill instance, then admit), each message one hop.
+
+The output is the bench client's RequestRecords, so the metrics are `tandem bench serve`'s own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandem.bench.client import RequestRecord
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.disagg.prefix_index import PrefixIndex
+from tandem.disagg.routing import Router, RoutingSettings
+from tandem.engine.request import Request
+from tandem.kv.hashing import block_keys
+from tandem.sim.cost import CostModel
+from tandem.sim.instance import SIM_TOKEN, SimInstance, TokenEvent, sim_request
+
+ROLES = ("colocated", "prefill", "decode")
+_SPEC = re.compile(r"(\d+)([CPD])", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    colocated: int = 1
+    prefill: int = 0
+    decode: int = 0
+    routing: str = "least-loaded"
+    # With colocated and disaggregated pools both present: prompts up to this many tokens run whole on
+    # a colocated instance, longer ones are prefilled by a prefill instance for a decode instance.
+    mixed_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        if min(self.colocated, self.prefill, self.decode) < 0:
+            raise ValueError("instance counts must not be negative")
+        if (self.prefill > 0) != (self.decode > 0):
+            raise ValueError("a disaggregated deployment needs prefill and decode instances both")
+        if self.colocated + self.prefill == 0:
+            raise ValueError("a deployment needs at least one instance")
+
+    @classmethod
+    def parse(cls, text: str, routing: str = "least-loaded", mixed_threshold: int = 512) -> Deployment:
+        """"2C", "1P1D", "2P4D", "1P2D1C" (counts of Colocated, Prefill, Decode instances)."""
+        compact = text.replace(" ", "")
+        parts = _SPEC.findall(compact)
+        if not parts or "".join(n + r for n, r in parts).upper() != compact.upper():
+            raise ValueError(f"a deployment is like '2C', '1P1D' or '1P2D1C', got {text!r}")
+        counts = {"C": 0, "P": 0, "D": 0}
+        for n, r in parts:
+            counts[r.upper()] += int(n)
+        return cls(counts["C"], counts["P"], counts["D"], routing, mixed_threshold)
+
+    def describe(self) -> str:
+        disagg = f"{self.prefill}P{self.decode}D" if self.prefill else ""
+        return disagg + (f"{self.colocated}C" if self.colocated else "")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.prefill > 0
+
+
+@dataclass
+class SimTurn:
+    prompt: list[int]  # this turn's new tokens (a later turn adds them to the conversation so far)
+    max_tokens: int
+    category: str = "default"
+
+
+@dataclass
+class SimSession:
+    turns: list[SimTurn]
+    start: float  # seconds after the run's start
+    think_times: list[float] = field(default_factory=list)  # before each later turn (the bench's own draws)
+
+
+@dataclass
+class _Flight:
+    """One request's life, as the client sees it."""
+
+    record: RequestRecord
+    request: Request
+    times: list[float] = field(default_factory=list)  # each token's arrival at the client
+    next_turn: Callable[[], None] | None = None  # the session's next turn, sent after this one's last token
+
+
+@dataclass
+class _Link:
+    """One prefill instance's way out: transfers queue on it in step order."""
+
+    free_at: float = 0.0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration: float
+    instances: list[SimInstance]
+
+
+class ClusterSim:
+    def __init__(self, deployment: Deployment, costs: dict[str, CostModel], scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, max_model_len: int, record_steps: bool = False) -> None:
+        self.deployment = deployment
+        self.cache_config = cache_config
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.pools: dict[str, list[SimInstance]] = {}
+        for role, n in (("colocated", deployment.colocated), ("prefill", deployment.prefill),
+                        ("decode", deployment.decode)):
+            cost = costs.get(role) or costs.get("colocated")
+            if n and cost is None:
+                raise ValueError(f"no cost model for the {role} instances")
+            self.pools[role] = [SimInstance(f"{role[0]}{i}", role, cost, scheduler_config, cache_config, max_model_len,
+                                            record_steps) for i in range(n)]  # type: ignore[arg-type]
+        self.instances = [w for pool in self.pools.values() for w in pool]
+        self._links = {w.name: _Link() for w in self.instances}
+        self.hop_s = max(w.cost.hop_s for w in self.instances)
+        self._kv_routing = deployment.routing == "kv"
+        self.index = PrefixIndex(clock=lambda: self.now)
+        self.router = Router(RoutingSettings(policy=deployment.routing), self.index,
+                             lambda w: w.active_blocks())  # type: ignore[arg-type,attr-defined]
+        self._flights: dict[str, _Flight] = {}  # by engine request id
+        self._prefilling: dict[str, tuple[SimInstance, float]] = {}  # rid -> (decode instance, transfer done)
+        self._awaiting_prefill: dict[str, tuple[Request, SimInstance]] = {}  # reserved: prefill not yet sent
+        self.records: list[RequestRecord] = []
+
+    # -- the event loop ----------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, sessions: list[SimSession]) -> SimResult:
+        index = itertools.count()
+        for s_i, session in enumerate(sessions):
+            self.at(session.start, lambda s_i=s_i, session=session: self._arrive(session, s_i, 0, [], index))
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+        for f in self._flights.values():
+            f.record.error = "never finished (the pools could not hold it)"
+            self.records.append(f.record)
+        duration = max((r.start + r.latency for r in self.records if r.success), default=0.0)
+        return SimResult(sorted(self.records, key=lambda r: r.index), max(duration, 1e-9), self.instances)
+
+    # -- arrivals and routing ----------------------------------------------------------------------
+    def _arrive(self, session: SimSession, s_i: int, t_i: int, history: list[int], index: itertools.count) -> None:
+        turn = session.turns[t_i]
+        prompt = history + turn.prompt
+        i = next(index)
+        rid = f"s{s_i}t{t_i}"
+        record = RequestRecord(i, s_i, t_i, turn.category, len(prompt), turn.max_tokens, start=self.now)
+        request = sim_request(rid, prompt, turn.max_tokens, self.now)
+        flight = _Flight(record, request)
+        if t_i + 1 < len(session.turns):
+            answer = [SIM_TOKEN] * turn.max_tokens
+            think = session.think_times[t_i] if t_i < len(session.think_times) else 0.0
+            flight.next_turn = lambda: self.at(self.now + think,
+                                               lambda: self._arrive(session, s_i, t_i + 1, prompt + answer, index))
+        self._flights[rid] = flight
+        keys = block_keys(prompt, self.cache_config.block_size, self.cache_config.prefix_caching_hash_algo, (),
+                          None) if self._kv_routing else []
+        num_blocks = -(-len(prompt) // self.cache_config.block_size)
+        d = self.deployment
+        whole = not d.is_disaggregated or (d.colocated and len(prompt) <= d.mixed_threshold)
+        if whole:
+            worker = self._pick(keys, num_blocks, self.pools["colocated"])
+            self.at(self.now + self.hop_s, lambda: self._add(worker, request))
+            return
+        prefill = self._pick(keys, num_blocks, self.pools["prefill"] + (self.pools["colocated"] if d.colocated else []))
+        decode = self._pick(keys, num_blocks, self.pools["decode"])
+        self._awaiting_prefill[rid] = (request, prefill)
+        self.at(self.now + self.hop_s, lambda: self._reserve(decode, request))
+
+    def _pick(self, keys: list[int], num_blocks: int, pool: list[SimInstance]) -> SimInstance:
+        pick = self.router.pick(keys, num_blocks, pool)  # type: ignore[arg-type]
+        assert pick is not None
+        worker: SimInstance = pick.worker  # type: ignore[assignment]
+        if self._kv_routing:
+            self.router.routed(pick.worker, keys)
+        return worker
+
+    def _add(self, worker: SimInstance, request: Request) -> None:
+        worker.add(request)
+        self._kick(worker)
+
+    # -- disaggregation ----------------------------------------------------------------------------
+    def _reserve(self, decode: SimInstance, request: Request) -> None:
+        decode.reserve(request)
+        self._kick(decode)
+
+    def _on_reserved(self, decode: SimInstance, rid: str) -> None:
+        request, prefill = self._awaiting_prefill.pop(rid)
+        copy = sim_request(rid, list(request.prompt_token_ids), 1, self.now)
+        self._prefilling[rid] = (decode, 0.0)
+        # Reserved goes back to the router, Prefill on to the prefill instance: two hops.
+        self.at(self.now + 2 * self.hop_s, lambda: self._add(prefill, copy))
+
+    def _ship(self, worker: SimInstance, start: float, duration: float, rid: str, num_tokens: int) -> None:
+        """A prefill step's KV for one request: layer i leaves once layer i is computed, behind what
+        this instance is still sending."""
+        cost = worker.cost
+        nbytes = num_tokens * cost.kv_bytes_per_token
+        latency = cost.transfer_time(0)
+        wire = cost.transfer_time(nbytes) - latency
+        link = self._links[worker.name]
+        first_layer_done = start + duration / cost.num_layers
+        link.free_at = max(link.free_at, first_layer_done) + wire
+        # The last layer cannot leave before it is computed.
+        done = max(link.free_at, start + duration + wire / cost.num_layers) + latency
+        decode, prev = self._prefilling[rid]
+        self._prefilling[rid] = (decode, max(prev, done))
+
+    def _prefilled(self, rid: str) -> None:
+        decode, done = self._prefilling.pop(rid)
+        flight = self._flights[rid]
+        # The worker says Prefilled once the transfer landed; the router sends the first token on
+        # to the client and Admit to the decode instance.
+        self.at(max(done, self.now) + self.hop_s, lambda: self._first_token(flight))
+        self.at(max(done, self.now) + 2 * self.hop_s, lambda: self._admit(decode, rid))
+
+    def _first_token(self, flight: _Flight) -> None:
+        flight.times.append(self.now)
+
+    def _admit(self, decode: SimInstance, rid: str) -> None:
+        if decode.arrived(rid):
+            self._kick(decode)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _kick(self, worker: SimInstance) -> None:
+        if worker.step_end is not None:
+            return
+        end = worker.start_step(self.now)
+        for rid in worker.take_reserved():
+            self._on_reserved(worker, rid)
+        if end is not None:
+            self.at(end, lambda: self._step_done(worker))
+
+    def _step_done(self, worker: SimInstance) -> None:
+        start = worker._step_start
+        sched = worker.finish_step(lambda ev: self._tokens(worker, ev))
+        if worker.role != "decode":
+            duration = self.now - start
+            for s in sched.scheduled:
+                if s.request.request_id in self._prefilling:
+                    self._ship(worker, start, duration, s.request.request_id, s.num_new_tokens)
+            # Any prefill-capable instance may be prefilling for a decode instance: finished ones go on.
+            for s in sched.scheduled:
+                rid = s.request.request_id
+                if rid in self._prefilling and s.request.is_finished:
+                    self._prefilled(rid)
+        if self._kv_routing:
+            self.index.apply(worker.name, worker.scheduler.kv.pool.take_events())
+        self._kick(worker)
+
+    def _tokens(self, worker: SimInstance, ev: TokenEvent) -> None:
+        rid = ev.request.request_id
+        if rid in self._prefilling:
+            return  # the prefill's token reaches the client through _prefilled
+        flight = self._flights.get(rid)
+        if flight is None:
+            return
+        # Tokens stream back through the router (or the API process): one hop.
+        flight.times.extend([self.now + self.hop_s] * ev.num_tokens)
+        if ev.finished:
+            self._finish(rid, flight)
+
+    def _finish(self, rid: str, flight: _Flight) -> None:
+        del self._flights[rid]
+        r = flight.record
+        times = flight.times
+        r.success = True
+        r.status = 200
+        r.output_tokens = len(times)
+        r.ttft = times[0] - r.start
+        r.latency = times[-1] - r.start
+        r.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+        self.records.append(r)
+        if flight.next_turn is not None:
+            self.at(times[-1], flight.next_turn)

@@ -1,0 +1,135 @@
+"""One simulated engine instance: the engine's own Scheduler (token budget, chunked prefill,
+preemption, prefix caching, the KV connector's loading path) on a virtual clock, with a cost model
+in place of the model runner and a token that never stops a request in place of the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.disagg.connector import KVRecvConnector
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.sampling_params import SamplingParams
+from tandem.sim.cost import CostModel, StepShape
+
+# What the simulated sampler returns: any id works (requests stop at max_tokens; EOS is ignored).
+SIM_TOKEN = 1
+
+
+class NullReceiver:
+    """The KV receiver of a simulated decode instance: the cluster delivers the bytes in time."""
+
+    endpoint = None
+
+    def open(self, request_id: str, block_ids: list[int]) -> None:
+        pass
+
+    def close(self, request_id: str) -> None:
+        pass
+
+
+@dataclass
+class StepRecord:
+    start: float
+    duration: float
+    scheduled: list[tuple[str, int]]  # (request id, new tokens), in the scheduler's order
+    shape: StepShape
+
+
+@dataclass
+class TokenEvent:
+    request: Request
+    time: float
+    num_tokens: int
+    finished: bool
+
+
+def sim_request(request_id: str, prompt: list[int], max_tokens: int, arrival: float, tenant: str | None = None,
+                priority: int = 0) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id, prompt, params, eos_token_id=None, arrival_time=arrival, tenant=tenant,
+                   priority=priority)
+
+
+@dataclass
+class SimInstance:
+    name: str
+    role: str  # colocated | prefill | decode
+    cost: CostModel
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    max_model_len: int
+    record_steps: bool = False
+    steps: list[StepRecord] = field(default_factory=list)
+    busy_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        num_blocks = max(self.cost.kv_capacity_tokens() // self.cache_config.block_size, 1)
+        self.connector = KVRecvConnector(NullReceiver(), self.cache_config.block_size, self.name)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks,
+                                   min(self.max_model_len, num_blocks * self.cache_config.block_size), self.connector)
+        self.step_end: float | None = None  # when the step in flight ends (None: idle)
+        self._step: SchedulerOutput | None = None
+        self._sampled: list[str] = []
+        self._step_start = 0.0
+
+    # -- what the cluster does to it -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def reserve(self, request: Request) -> None:
+        """A disaggregated request: its prompt's KV comes from a prefill instance."""
+        self.connector.expect(request.request_id)
+        self.scheduler.add_request(request)
+
+    def take_reserved(self) -> list[str]:
+        return [h.request_id for h in self.connector.take_reserved()]
+
+    def arrived(self, request_id: str) -> bool:
+        return self.connector.arrived(request_id, SIM_TOKEN)
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.requests)
+
+    @property
+    def worker_id(self) -> str:
+        return self.name
+
+    def active_blocks(self) -> int:
+        pool = self.scheduler.kv.pool
+        return pool.num_blocks - pool.num_free_blocks
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def start_step(self, now: float) -> float | None:
+        """Schedule a step at `now`; its end time, or None when there is nothing to run."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        items, sampled = [], []
+        for s in sched.scheduled:
+            r = s.request
+            samples = r.num_computed_tokens + s.num_new_tokens >= r.num_tokens
+            items.append((s.num_new_tokens, r.num_computed_tokens, samples))
+            if samples:
+                sampled.append(r.request_id)
+        shape = StepShape.of(items)
+        duration = self.cost.step_time(shape)
+        if self.record_steps:
+            self.steps.append(StepRecord(now, duration, [(s.request.request_id, s.num_new_tokens)
+                                                         for s in sched.scheduled], shape))
+        self._step, self._sampled, self._step_start = sched, sampled, now
+        self.step_end = now + duration
+        self.busy_s += duration
+        return self.step_end
+
+    def finish_step(self, on_tokens: Callable[[TokenEvent], None]) -> SchedulerOutput:
+        sched, now = self._step, self.step_end
+        assert sched is not None and now is not None
+        self._step, self.step_end = None, None
+        changed = self.scheduler.update_from_output(sched, {rid: [SIM_TOKEN] for rid in self._sampled})
+        for request, kept in changed:
+            on_tokens(TokenEvent(request, now, len(kept), request.is_finished))
+        return sched

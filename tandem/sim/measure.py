@@ -1,0 +1,220 @@
+"""`tandem profile` on this machine: drive the live engine core through prefills of many lengths and
+decode batches of many sizes and contexts, log every step it runs (shape and seconds), fit the step
+cost model to them, and time the KV transports and a message hop with the real sockets."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.engine.core import EngineCore, LoggedStep
+from tandem.engine.request import Request
+from tandem.kv.layout import engine_kv_layout
+from tandem.sampling_params import SamplingParams
+from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    prefill_lens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_contexts: tuple[int, ...] = (128, 1024)
+    decode_steps: int = 8
+    transfer_blocks: tuple[int, ...] = (1, 4, 16, 64)
+
+    @classmethod
+    def quick(cls) -> ProfileGrid:
+        return cls((16, 64, 256), (1, 4), (64,), 4, (1, 8))
+
+
+def shape_of(step: LoggedStep) -> StepShape:
+    return StepShape.of((n, computed, sampled) for _, n, computed, sampled in step.scheduled)
+
+
+def _run(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> list[LoggedStep]:
+    """Run the prompts to completion on the core; the steps it logged."""
+    log: list[LoggedStep] = []
+    core.step_log = log
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"profile-{tag}-{i}", p, params))
+    while core.has_unfinished():
+        core.step()
+    core.step_log = None
+    return log
+
+
+def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Callable[[str], None],
+                  seed: int = 0) -> list[LoggedStep]:
+    rng = np.random.default_rng(seed)
+    capacity = core.num_blocks * core.config.cache.block_size
+    limit = min(core.max_model_len, capacity)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
+
+    _run(core, prompts(2, 64), 4, "warmup")
+    steps: list[LoggedStep] = []
+    for length in grid.prefill_lens:
+        if length + 1 > limit:
+            continue
+        progress(f"prefill of {length} tokens")
+        for rep in range(2):
+            steps += _run(core, prompts(1, length), 1, f"p{length}-{rep}")
+    for context in grid.decode_contexts:
+        for batch in grid.decode_batches:
+            if batch * (context + grid.decode_steps) > capacity or context + grid.decode_steps > limit:
+                continue
+            progress(f"decode: {batch} streams at {context} tokens of context")
+            steps += _run(core, prompts(batch, context), grid.decode_steps, f"d{batch}x{context}")
+    return steps
+
+
+def measure_transfer(kind: str, core: EngineCore, num_blocks: tuple[int, ...], repeats: int = 3) -> TransferFit:
+    """Time the real transport: a decode-side receiver and pool, a sender writing every layer's
+    slice of n blocks, then waiting for the fence."""
+    from tandem.disagg.transport import RoutingSender, TransferHandle, make_receiver
+
+    secret = os.urandom(32)
+    arch = core.runner.model.cfg
+    pool_blocks = max(num_blocks)
+    shape = (arch.num_layers, 2, pool_blocks, core.config.cache.block_size, arch.num_kv_heads,
+             core.runner.kv_caches.shape[-1])
+    receiver = make_receiver(kind, "127.0.0.1", 0, secret)
+    receiver.allocate_pool(shape, core.runner.kv_caches.dtype, torch.device("cpu"))
+    sender = RoutingSender(secret)
+    src = torch.ones(shape, dtype=core.runner.kv_caches.dtype)
+    sizes, seconds = [], []
+    try:
+        for n in num_blocks:
+            ids = list(range(n))
+            best = float("inf")
+            for rep in range(repeats + 1):
+                rid = f"xfer-{n}-{rep}"
+                receiver.open(rid, ids)
+                handle = TransferHandle(rid, ids, 0, receiver.endpoint)
+                t0 = time.perf_counter()
+                for layer in range(arch.num_layers):
+                    sender.write(handle, layer, ids, src[layer][:, :n])
+                sender.finish(handle)
+                results = []
+                while not results:
+                    results = sender.poll()
+                    if not results:
+                        time.sleep(0.0002)
+                elapsed = time.perf_counter() - t0
+                receiver.close(rid)
+                if not results[0].ok:
+                    raise RuntimeError(f"{kind} transfer failed: {results[0].error}")
+                if rep:  # the first opens the connection
+                    best = min(best, elapsed)
+            sizes.append(n * src[0].numel() // pool_blocks * src.element_size() * arch.num_layers)
+            seconds.append(best)
+    finally:
+        sender.close()
+        receiver.shutdown()
+    a = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1)
+    lat, per_byte = np.linalg.lstsq(a, np.asarray(seconds), rcond=None)[0]
+    per_byte = max(per_byte, 1e-15)
+    return TransferFit(max(float(lat), 0.0), 1.0 / float(per_byte))
+
+
+def measure_hop(rounds: int = 200) -> float:
+    """Half a round trip of a small pickled message between a ROUTER and a DEALER over loopback TCP."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    stop = threading.Event()
+
+    def echo() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                ident, msg = router.recv_multipart()
+                router.send_multipart([ident, msg])
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    payload = pickle.dumps({"request_id": "x" * 16, "tokens": list(range(8))})
+    times = []
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            dealer.send(payload)
+            pickle.loads(dealer.recv())
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        thread.join()
+        dealer.close(0)
+        router.close(0)
+    return statistics.median(times) / 2
+
+
+def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Callable[[str], None] = print,
+            transports: tuple[str, ...] = ("shm", "zmq")) -> tuple[FittedCost, list[LoggedStep]]:
+    """The fitted cost model of this engine on this machine, and the steps it was fitted to."""
+    from tandem.model.loader import load_model
+
+    grid = grid or ProfileGrid()
+    progress("loading the model")
+    loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+    core = EngineCore(config, loaded.model)
+    try:
+        steps = measure_steps(core, grid, loaded.arch.vocab_size, progress)
+        progress(f"fitting the step cost to {len(steps)} steps")
+        shapes = [shape_of(s) for s in steps]
+        seconds = [s.seconds for s in steps]
+        coefficients = fit_steps(shapes, seconds, DEFAULT_KNOTS)
+        fits = {}
+        for kind in transports:
+            progress(f"timing the {kind} KV transport")
+            fits[kind] = measure_transfer(kind, core, grid.transfer_blocks)
+        progress("timing a message hop")
+        hop = measure_hop()
+        layout = engine_kv_layout(config, loaded.arch)
+        cost = FittedCost(coefficients, list(DEFAULT_KNOTS), float(layout.bytes_per_token(loaded.arch)),
+                          loaded.arch.num_layers, core.num_blocks * config.cache.block_size, fits,
+                          "shm" if "shm" in fits else next(iter(fits), "shm"), hop,
+                          meta={"model": config.model.model or "default", "dtype": str(config.model.dtype),
+                                "quantization": config.model.quantization, "num_threads": config.parallel.num_threads,
+                                "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "fit_error": fit_error(coefficients, shapes, seconds)},
+                          engine={"max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                                  "max_num_seqs": config.scheduler.max_num_seqs,
+                                  "long_prefill_token_threshold": config.scheduler.long_prefill_token_threshold,
+                                  "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
+                                  "block_size": config.cache.block_size,
+                                  "enable_prefix_caching": config.cache.enable_prefix_caching,
+                                  "max_model_len": core.max_model_len})
+        return cost, steps
+    finally:
+        core.close()
+
+
+def fit_error(coefficients: list[float], shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
+    cost = FittedCost(coefficients, list(DEFAULT_KNOTS), 0.0, 1, 0)
+    rel = [abs(cost.step_time(s) - t) / t for s, t in zip(shapes, seconds, strict=True) if t > 0]
+    return {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)), "max": float(np.max(rel))}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

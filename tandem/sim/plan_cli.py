@@ -1,0 +1,77 @@
+"""`tandem plan`'s run: the traffic from the bench's generators, candidates priced on a GPU (or on a
+measured profile), the search, the table, the JSON and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tandem.bench.metrics import parse_list
+from tandem.bench.serve import load_bench_tokenizer, workload_config
+from tandem.bench.workloads import generate
+from tandem.sim.cost import CostModel, RooflineCost, load_profile
+from tandem.sim.hardware import gpu
+from tandem.sim.model_shape import model_shape
+from tandem.sim.plan import Candidate, Planner, PlanRow, candidates, format_table, plot_curves
+from tandem.sim.run import engine_configs, to_sim_sessions
+
+
+def cost_maker(args: argparse.Namespace):  # noqa: ANN201 (a closure)
+    if args.profile:
+        measured = load_profile(args.profile)
+
+        def measured_cost(role: str, tp: int) -> CostModel:
+            if tp != 1:
+                raise ValueError("a measured profile is one engine: plan it with --tp 1")
+            return measured
+
+        return measured_cost, measured.engine
+    hw, shape = gpu(args.gpu), model_shape(args.model_shape)
+    cache: dict[int, RooflineCost] = {}
+
+    def roofline(role: str, tp: int) -> CostModel:
+        if tp not in cache:
+            cache[tp] = RooflineCost(hw, shape, tp, args.kv_link)
+        return cache[tp]
+
+    return roofline, roofline("colocated", 1).engine
+
+
+def start_rate(make_cost, sessions, tp: int) -> float:  # noqa: ANN001
+    """A first rate to probe per GPU: what one instance could do if it never waited (prompt and
+    output tokens at a batched step's pace)."""
+    from tandem.sim.cost import StepShape
+
+    cost = make_cost("colocated", tp)
+    mean_in = sum(len(t.prompt) for s in sessions for t in s.turns) / max(sum(len(s.turns) for s in sessions), 1)
+    mean_out = sum(t.max_tokens for s in sessions for t in s.turns) / max(sum(len(s.turns) for s in sessions), 1)
+    prefill = cost.step_time(StepShape.of([(int(mean_in), 0, True)]))
+    decode = cost.step_time(StepShape.of([(1, int(mean_in), True)] * 32)) / 32
+    return 0.5 / (prefill + decode * mean_out) / tp
+
+
+def run_plan(args: argparse.Namespace) -> list[PlanRow]:
+    tps = [int(x) for x in parse_list(args.tp, "--tp")]
+    make_cost, engine = cost_maker(args)
+    tokenizer = load_bench_tokenizer(args.tokenizer)
+    sessions = generate(workload_config(args), tokenizer)
+    sim_sessions = to_sim_sessions(sessions, [0.0] * len(sessions), tokenizer, 0.0, args.seed)
+    sched, cache, max_model_len = engine_configs(engine, {}, False)
+    planner = Planner(make_cost, sim_sessions, {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, sched, cache,
+                      max_model_len, args.attainment, args.seed)
+    cands: list[Candidate] = candidates(tps, args.max_gpus, args.max_instances)
+    rate = start_rate(make_cost, sim_sessions, min(tps))
+    rows = planner.search(cands, rate, lambda s: print(s, file=sys.stderr, flush=True))
+    where = args.profile or f"{args.gpu} / {args.model_shape}"
+    print(f"\n{where}: TTFT <= {args.slo_ttft:g} ms and TPOT <= {args.slo_tpot:g} ms for "
+          f"{args.attainment:.0%} of requests ({args.dataset_name}, {len(sim_sessions)} requests)")
+    print(format_table(rows, args.top))
+    if args.output:
+        Path(args.output).write_text(json.dumps([
+            {"deployment": r.candidate.describe(), "gpus": r.candidate.gpus, "goodput": r.goodput,
+             "goodput_per_gpu": r.goodput_per_gpu, "curve": r.curve} for r in rows], indent=2) + "\n")
+    if args.plot:
+        print("plot:", plot_curves(rows, args.plot, f"{where}: SLO attainment vs load", args.attainment))
+    return rows
