@@ -193,8 +193,18 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
     launch = None
     num_local = args.prefill_workers + args.decode_workers + args.workers
-    if num_local:
-        role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
+    role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
+    bind = args.router_bind or "tcp://127.0.0.1:0"
+    if args.ray:
+        from tandem.disagg.ray_launch import connect, ray_launcher
+
+        if not num_local:
+            raise ValueError("--ray places workers: give --prefill-workers/--decode-workers or --workers")
+        # Workers on other hosts connect back to this node's address.
+        bind = args.router_bind or f"tcp://{connect(args.ray)}:0"
+        launch = ray_launcher(args.prefill_workers, args.decode_workers, args.workers, args.ray_worker_cpus,
+                              engine_argv(args), role_argv, secret, args.log_level.upper())
+    elif num_local:
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
@@ -202,7 +212,7 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
     planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
                               args.planner_interval, window_s=args.planner_window, dwell_s=args.planner_dwell)
-    settings = RouterSettings(bind=args.router_bind or "tcp://127.0.0.1:0", secret=secret,
+    settings = RouterSettings(bind=bind, secret=secret,
                               expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
     return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)
 
@@ -293,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="engine flags for decode workers only, e.g. \"--max-num-seqs 256\"")
     dis.add_argument("--kv-transport", default="shm", choices=["shm", "zmq"],
                      help="how local decode workers receive KV: shared memory or ZeroMQ/TCP")
+    dis.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="place the workers as Ray actors on the cluster at ADDRESS (default: the one this host "
+                     "belongs to), a placement group each; needs the ray extra")
+    dis.add_argument("--ray-worker-cpus", type=int, default=1, help="CPUs Ray reserves for each worker")
     dis.add_argument("--router-bind", default=None,
                      help="address workers connect to (e.g. tcp://0.0.0.0:5600 to let other hosts join; "
                      "they need the same $TANDEM_DISAGG_SECRET)")

@@ -25,7 +25,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
               f"{shape.weight_bytes / 1e9:.1f} GB): room for {cost.kv_capacity_tokens():,} KV tokens; "
               f"wrote {args.output}")
         return 0
-    from tandem.cli import engine_kwargs
+    import shlex
+    from pathlib import Path
+
+    from tandem.cli import engine_argv, engine_kwargs
     from tandem.config import EngineConfig
     from tandem.sim.measure import ProfileGrid, profile
 
@@ -36,13 +39,19 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     transports = tuple(t for t in args.transports.split(",") if t)
-    cost, steps = profile(config, grid, _progress, transports)
+    serve_argv = [*engine_argv(args), *shlex.split(args.serve_args)] if args.serve_calibration else None
+    cost, steps = profile(config, grid, _progress, transports, serve_argv, Path(args.output).parent)
     save_profile(cost, args.output)
     err = cost.meta["fit_error"]
     print(f"{len(steps)} steps; fitted step time within {err['median'] * 100:.1f}% (median), "
-          f"{err['p90'] * 100:.1f}% (p90) of measured; wrote {args.output}")
+          f"{err['p90'] * 100:.1f}% (p90) of measured (steps of one shape: {err['repeat_spread_median'] * 100:.1f}% "
+          f"/ {err['repeat_spread_p90'] * 100:.1f}% from their median); wrote {args.output}")
     for kind, fit in cost.transports.items():
         print(f"  {kind}: {fit.latency_s * 1e3:.2f} ms + {fit.bandwidth / 1e9:.2f} GB/s")
+    if cost.serving is not None:
+        scale, overhead, per_seq = cost.serving
+        print(f"  serving: a step is {scale:.2f}x the engine's + {overhead * 1e3:.2f} ms + {per_seq * 1e3:.3f} ms "
+              "a sequence")
     return 0
 
 
@@ -56,6 +65,11 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for a smoke test)")
     p.add_argument("--transports", default="shm,zmq", help="KV transports to time (comma-separated)")
     p.add_argument("--cores", default=None, help="pin to these cores (as a worker is pinned), e.g. 0 or 0-1")
+    p.add_argument("--serve-calibration", action=argparse.BooleanOptionalAction, default=True,
+                   help="then time the same engine behind `tandem serve` from a client: what serving adds a step")
+    p.add_argument("--serve-args", default="",
+                   help="flags for that server (for a worker's profile: '--workers 1 --worker-cores 0', one "
+                        "colocated worker behind a router)")
     g = p.add_argument_group("analytic profile (no engine runs): a GPU's data sheet and a model's shape")
     g.add_argument("--gpu", default=None, choices=sorted(GPUS), help="price steps on this GPU instead of measuring")
     g.add_argument("--model-shape", default=None,
@@ -126,8 +140,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-gpus", type=int, default=8, help="GPUs a candidate may use")
     g.add_argument("--max-instances", type=int, default=4, help="instances per pool a candidate may have")
     g.add_argument("--kv-link", default="inter", choices=["intra", "inter"])
+    m = p.add_argument_group("mixture of experts (a MoE --model-shape plans the decode pool's expert parallelism)")
+    m.add_argument("--ep-widths", default="8,16,32,64,128,256", help="decode pool widths (GPUs) to consider")
+    m.add_argument("--context", type=int, default=4096, help="mean tokens of context a decoding stream holds")
+    m.add_argument("--expert-skew", type=float, default=0.6,
+                   help="Zipf exponent of the experts' popularity (0: uniform)")
     s = p.add_argument_group("SLOs")
-    s.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO, ms")
+    s.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, ms (required for dense models)")
     s.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO, ms")
     s.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both")
     o = p.add_argument_group("output")

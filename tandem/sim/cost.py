@@ -108,13 +108,19 @@ class FittedCost:
     min_step_s: float = 1e-4
     meta: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)  # the profiled engine's scheduler settings
+    # What serving adds to a step (calibrate.py): [scale, overhead_s, per_seq_s]; None: the engine alone.
+    serving: list[float] | None = None
     kind: str = "fitted"
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepShape, serving: bool = True) -> float:
         if shape.num_tokens == 0:
             return 0.0
         x = features(shape, self.knots)
-        return max(float(np.dot(self.coefficients, x)), self.min_step_s)
+        t = max(float(np.dot(self.coefficients, x)), self.min_step_s)
+        if serving and self.serving is not None:
+            scale, overhead, per_seq = self.serving
+            t = scale * t + overhead + per_seq * shape.num_seqs
+        return t
 
     def transfer_time(self, num_bytes: float) -> float:
         fit = self.transports.get(self.transport)
@@ -142,14 +148,14 @@ class FittedCost:
                 "kv_bytes_per_token": self.kv_bytes_per_token_, "num_layers": self.num_layers_,
                 "kv_tokens": self.kv_tokens, "hop_s": self.hop_s, "transport": self.transport,
                 "transports": {k: vars(v) for k, v in self.transports.items()}, "min_step_s": self.min_step_s,
-                "meta": self.meta, "engine": self.engine}
+                "meta": self.meta, "engine": self.engine, "serving": self.serving}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FittedCost:
         return cls(list(d["coefficients"]), list(d["knots"]), d["kv_bytes_per_token"], d["num_layers"],
                    d["kv_tokens"], {k: TransferFit(**v) for k, v in d.get("transports", {}).items()},
                    d.get("transport", "shm"), d.get("hop_s", 0.0), d.get("min_step_s", 1e-4), d.get("meta", {}),
-                   d.get("engine", {}))
+                   d.get("engine", {}), d.get("serving"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -10,7 +10,8 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,12 +30,14 @@ class ProfileGrid:
     prefill_lens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     decode_contexts: tuple[int, ...] = (128, 1024)
-    decode_steps: int = 8
+    decode_steps: int = 12
+    repeats: int = 2  # each scenario run this many times: a shared machine's steps vary run to run
+    max_batch_tokens: int = 32768  # a decode batch's prompts, all told (their prefill is the slow part)
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64)
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        return cls((16, 64, 256), (1, 4), (64,), 4, (1, 8))
+        return cls((16, 64, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8))
 
 
 def shape_of(step: LoggedStep) -> StepShape:
@@ -69,14 +72,16 @@ def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Cal
         if length + 1 > limit:
             continue
         progress(f"prefill of {length} tokens")
-        for rep in range(2):
+        for rep in range(grid.repeats):
             steps += _run(core, prompts(1, length), 1, f"p{length}-{rep}")
     for context in grid.decode_contexts:
         for batch in grid.decode_batches:
-            if batch * (context + grid.decode_steps) > capacity or context + grid.decode_steps > limit:
+            if batch * (context + grid.decode_steps) > min(capacity, grid.max_batch_tokens) \
+                    or context + grid.decode_steps > limit:
                 continue
             progress(f"decode: {batch} streams at {context} tokens of context")
-            steps += _run(core, prompts(batch, context), grid.decode_steps, f"d{batch}x{context}")
+            for rep in range(grid.repeats):
+                steps += _run(core, prompts(batch, context), grid.decode_steps, f"d{batch}x{context}-{rep}")
     return steps
 
 
@@ -163,8 +168,10 @@ def measure_hop(rounds: int = 200) -> float:
 
 
 def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Callable[[str], None] = print,
-            transports: tuple[str, ...] = ("shm", "zmq")) -> tuple[FittedCost, list[LoggedStep]]:
-    """The fitted cost model of this engine on this machine, and the steps it was fitted to."""
+            transports: tuple[str, ...] = ("shm", "zmq"), serve_argv: list[str] | None = None,
+            log_dir: Path = Path(".")) -> tuple[FittedCost, list[LoggedStep]]:
+    """The fitted cost model of this engine on this machine, and the steps it was fitted to; with
+    serve_argv, the serving path's share of a step too (calibrate.py: `tandem serve` with those flags)."""
     from tandem.model.loader import load_model
 
     grid = grid or ProfileGrid()
@@ -190,7 +197,10 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
                           meta={"model": config.model.model or "default", "dtype": str(config.model.dtype),
                                 "quantization": config.model.quantization, "num_threads": config.parallel.num_threads,
                                 "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                "fit_error": fit_error(coefficients, shapes, seconds)},
+                                "fit_error": fit_error(coefficients, shapes, seconds),
+                                # What the fit saw: (tokens, sequences, sampled, prefill pairs, decode
+                                # context, decodes, seconds) per step, to plot it against the fit.
+                                "steps": [[*astuple(sh), t] for sh, t in zip(shapes, seconds, strict=True)]},
                           engine={"max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                                   "max_num_seqs": config.scheduler.max_num_seqs,
                                   "long_prefill_token_threshold": config.scheduler.long_prefill_token_threshold,
@@ -198,15 +208,35 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
                                   "block_size": config.cache.block_size,
                                   "enable_prefix_caching": config.cache.enable_prefix_caching,
                                   "max_model_len": core.max_model_len})
-        return cost, steps
     finally:
         core.close()
+    del core, loaded
+    if serve_argv is not None:
+        from tandem.model.loader import load_tokenizer
+        from tandem.sim.calibrate import calibrate, fit_serving
+
+        points = calibrate(cost, serve_argv, load_tokenizer(config.model.model), log_dir / "profile-serve.log",
+                           progress)
+        cost.serving = fit_serving(points)
+        cost.meta["serving_points"] = points
+    return cost, steps
 
 
 def fit_error(coefficients: list[float], shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
+    """How far the fit is from the steps; and, for scale, how far steps of one shape are from their
+    own median (the machine's noise: no fit gets closer than that)."""
     cost = FittedCost(coefficients, list(DEFAULT_KNOTS), 0.0, 1, 0)
     rel = [abs(cost.step_time(s) - t) / t for s, t in zip(shapes, seconds, strict=True) if t > 0]
-    return {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)), "max": float(np.max(rel))}
+    groups: dict[tuple, list[float]] = {}
+    for s, t in zip(shapes, seconds, strict=True):
+        key = (s.num_tokens, s.num_seqs, s.num_decode, round(s.decode_context / max(s.num_decode, 1), -2),
+               round(s.prefill_pairs, -3))
+        groups.setdefault(key, []).append(t)
+    spread = [abs(t - float(np.median(ts))) / float(np.median(ts)) for ts in groups.values() if len(ts) > 1
+              for t in ts]
+    return {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)), "max": float(np.max(rel)),
+            "repeat_spread_median": float(np.median(spread)) if spread else 0.0,
+            "repeat_spread_p90": float(np.percentile(spread, 90)) if spread else 0.0}
 
 
 def _cpu_name() -> str:

@@ -14,6 +14,7 @@ from tandem.bench.workloads import generate
 from tandem.sim.cost import CostModel, RooflineCost, load_profile
 from tandem.sim.hardware import gpu
 from tandem.sim.model_shape import model_shape
+from tandem.sim.moe import WidthRow, format_width_table, plan_expert_parallel
 from tandem.sim.plan import Candidate, Planner, PlanRow, candidates, format_table, plot_curves
 from tandem.sim.run import engine_configs, to_sim_sessions
 
@@ -52,7 +53,32 @@ def start_rate(make_cost, sessions, tp: int) -> float:  # noqa: ANN001
     return 0.5 / (prefill + decode * mean_out) / tp
 
 
-def run_plan(args: argparse.Namespace) -> list[PlanRow]:
+def run_moe_plan(args: argparse.Namespace) -> list[WidthRow]:
+    """A mixture of experts: the decode pool's expert-parallel width (the prefill pool and the
+    deployment's P/D split are the dense search's questions; this is the one MoE adds)."""
+    hw, shape = gpu(args.gpu), model_shape(args.model_shape)
+    widths = [int(x) for x in parse_list(args.ep_widths, "--ep-widths")]
+    widths = [w for w in widths if shape.num_experts % w == 0]
+    rows = plan_expert_parallel(hw, shape, widths, args.slo_tpot / 1000, args.context, args.expert_skew)
+    best = max(rows, key=lambda r: (r.tokens_per_gpu, -r.width))
+    print(f"{shape.name} decode on {hw.name}: TPOT <= {args.slo_tpot:g} ms, {args.context} tokens of context a "
+          f"stream, expert popularity Zipf({args.expert_skew:g}); attention data-parallel, experts spread over "
+          f"the pool, all-to-all over {hw.intra_node.name} within a node and {hw.inter_node.name} across nodes")
+    print(format_width_table(rows))
+    at_best = {r.variant: r.tokens_per_gpu for r in rows if r.width == best.width}
+    print(f"\nchoice: EP width {best.width} ({best.variant}), {best.tokens_per_gpu:.0f} tokens/s per GPU; at that "
+          f"width rebalancing gives {at_best['eplb'] / max(at_best['contiguous'], 1e-9):.2f}x the contiguous "
+          f"placement's, and overlap {at_best['eplb+dbo'] / max(at_best['eplb'], 1e-9):.2f}x more")
+    if args.output:
+        Path(args.output).write_text(json.dumps([vars(r) for r in rows], indent=2) + "\n")
+    return rows
+
+
+def run_plan(args: argparse.Namespace) -> list[PlanRow] | list[WidthRow]:
+    if not args.profile and model_shape(args.model_shape).is_moe:
+        return run_moe_plan(args)
+    if args.slo_ttft is None:
+        raise ValueError("--slo-ttft is required (and --slo-tpot) to plan a dense model's deployment")
     tps = [int(x) for x in parse_list(args.tp, "--tp")]
     make_cost, engine = cost_maker(args)
     tokenizer = load_bench_tokenizer(args.tokenizer)

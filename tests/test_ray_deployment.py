@@ -1,0 +1,81 @@
+"""A deployment on Ray: a head started on 127.0.0.1, `tandem serve --ray` placing a prefill and a decode
+worker as actors; greedy outputs equal the local deployment's, and a worker actor whose process is
+killed is declared dead, placed again by Ray and serves again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from server_utils import running_server
+from test_disaggregation import COMMON, metric, prompts, run_all
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (scripts/setup.sh installs it)")
+DISAGG = ("--prefill-workers", "1", "--decode-workers", "1", "--path-policy", "disaggregated")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 (a generator fixture)
+    exe = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    assert exe, "the ray command is missing"
+    port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                   check=True, capture_output=True, env=env, timeout=180)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([exe, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def worker_pids(log_lines: list[str]) -> dict[str, int]:
+    """worker id -> pid, from the router's "placed as a Ray actor" lines."""
+    out = {}
+    for line in log_lines:
+        if "placed as a Ray actor, pid" in line:
+            worker_id = line.split("worker ", 1)[1].split(" ", 1)[0]
+            out[worker_id] = int(line.rsplit("pid ", 1)[1].split()[0])
+    return out
+
+
+def test_ray_deployment_serves_the_local_outputs_and_survives_a_killed_worker(ray_head: str,
+                                                                              passages: list[str]) -> None:
+    texts = prompts(passages)
+    with running_server(*COMMON, *DISAGG) as local:
+        expected = run_all(local, texts)
+    with running_server(*COMMON, *DISAGG, "--ray", ray_head) as s:
+        assert run_all(s, texts) == expected
+        assert metric(s, "kv_transfers", outcome="ok") >= len(texts)
+        # The router's log names each actor's pid: kill the decode worker's process outright.
+        lines: list[str] = []
+        deadline = time.monotonic() + 10
+        os.set_blocking(s.proc.stdout.fileno(), False)
+        while time.monotonic() < deadline and "decode-0" not in worker_pids(lines):
+            chunk = s.proc.stdout.read()
+            lines += (chunk or "").splitlines()
+            time.sleep(0.1)
+        pid = worker_pids(lines)["decode-0"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while metric(s, "router_worker_restarts") < 1 or metric(s, "worker_up", worker="decode-0") < 1:
+            assert time.monotonic() < deadline, "the killed worker did not come back"
+            time.sleep(0.5)
+        assert metric(s, "router_worker_deaths") >= 1
+        assert run_all(s, texts) == expected
