@@ -30,8 +30,9 @@ METRICS = [("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90")]
 
 DEPLOYMENTS: dict[str, dict[str, Any]] = {
     "colocated": {"serve": [], "sim": "1C", "profile": "colocated"},
-    "1p1d": {"serve": ["--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1"],
-             "sim": "1P1D", "profile": "worker"},
+    # Every prompt through the pair, as the simulator runs it (the per-request path choice is not simulated).
+    "1p1d": {"serve": ["--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+                       "--path-policy", "disaggregated"], "sim": "1P1D", "profile": "worker"},
 }
 # The serving calibration runs each profile's engine as the deployment runs it: the colocated server, and
 # the 1P1D deployment itself (its router shares the two cores with the workers).

@@ -209,6 +209,10 @@ def test_tandem_profile_measures_the_live_engine(tmp_path):
     assert 0 < small < big
     assert cost.transports["shm"].bandwidth > 1e8
     assert cost.engine["max_num_batched_tokens"] == 1024
+    # The serving calibration ran the same engine behind `tandem serve`: a scale near one, small overheads.
+    scale, overhead, per_seq = cost.serving
+    assert 0.5 < scale < 3 and 0 <= overhead < 0.05 and 0 <= per_seq < 0.01
+    assert len(data["meta"]["serving_points"]) == 6
 
 
 def test_expert_rebalancing_evens_a_skewed_load():
@@ -255,3 +259,20 @@ def test_tandem_plan_prints_the_expert_parallel_choice(tmp_path):
     dense = subprocess.run([sys.executable, "-m", "tandem.cli", "plan", "--model-shape", "llama-13b",
                             "--slo-tpot", "50"], capture_output=True, text=True)
     assert dense.returncode == 2 and "--slo-ttft" in dense.stderr
+
+
+def test_a_store_hit_on_another_instance_is_a_load_not_a_prefill():
+    from tandem.sim.store import SimStore, SimTier
+
+    cost = linear_cost(kv_bytes=1000.0)
+    block_bytes = 1000.0 * 16
+    store = SimStore([SimTier("host", 1000, 1e6)], block_bytes)
+    ids = prompt(100)
+    sessions = [SimSession([SimTurn(ids, 2)], 0.0), SimSession([SimTurn(ids, 2)], 10.0)]
+    sim = ClusterSim(Deployment(colocated=2, routing="round-robin"), {"colocated": cost}, SchedulerConfig(),
+                     CacheConfig(), 4096, store=store)
+    first, second = sim.run(sessions).records
+    assert first.ttft == pytest.approx(A + 100 * B, abs=1e-12)
+    # Six full blocks (96 tokens) come from the store at 1 MB/s; the last four tokens are computed.
+    assert second.ttft == pytest.approx(6 * block_bytes / 1e6 + A + 4 * B, abs=1e-12)
+    assert store.tiers[0].hits == 6

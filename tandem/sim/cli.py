@@ -91,6 +91,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", default="least-loaded", choices=POLICIES, help="the router's policy in each pool")
     g.add_argument("--mixed-threshold", type=int, default=512,
                    help="with colocated and disaggregated pools: prompts up to this many tokens run colocated")
+    g.add_argument("--store-tier", action="append", default=None, metavar="NAME:GIB:GBPS[:LATENCY_MS]",
+                   help="a tier of the KV store every instance shares, fastest first (repeatable), e.g. "
+                        "host:16:8 then disk:200:2:0.1")
     e = p.add_argument_group("engine settings (default: as the profile recorded them)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=None)

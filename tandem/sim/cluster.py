@@ -23,6 +23,7 @@ from tandem.engine.request import Request
 from tandem.kv.hashing import block_keys
 from tandem.sim.cost import CostModel
 from tandem.sim.instance import SIM_TOKEN, SimInstance, TokenEvent, sim_request
+from tandem.sim.store import SimStore, SimStoreConnector
 
 ROLES = ("colocated", "prefill", "decode")
 _SPEC = re.compile(r"(\d+)([CPD])", re.IGNORECASE)
@@ -107,7 +108,8 @@ class SimResult:
 
 class ClusterSim:
     def __init__(self, deployment: Deployment, costs: dict[str, CostModel], scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig, max_model_len: int, record_steps: bool = False) -> None:
+                 cache_config: CacheConfig, max_model_len: int, record_steps: bool = False,
+                 store: SimStore | None = None) -> None:
         self.deployment = deployment
         self.cache_config = cache_config
         self.now = 0.0
@@ -119,8 +121,8 @@ class ClusterSim:
             cost = costs.get(role) or costs.get("colocated")
             if n and cost is None:
                 raise ValueError(f"no cost model for the {role} instances")
-            self.pools[role] = [SimInstance(f"{role[0]}{i}", role, cost, scheduler_config, cache_config, max_model_len,
-                                            record_steps) for i in range(n)]  # type: ignore[arg-type]
+            self.pools[role] = [self._instance(f"{role[0]}{i}", role, cost, scheduler_config, cache_config,  # type: ignore[arg-type]
+                                               max_model_len, record_steps, store) for i in range(n)]
         self.instances = [w for pool in self.pools.values() for w in pool]
         self._links = {w.name: _Link() for w in self.instances}
         self.hop_s = max(w.cost.hop_s for w in self.instances)
@@ -132,6 +134,15 @@ class ClusterSim:
         self._prefilling: dict[str, tuple[SimInstance, float]] = {}  # rid -> (decode instance, transfer done)
         self._awaiting_prefill: dict[str, tuple[Request, SimInstance]] = {}  # reserved: prefill not yet sent
         self.records: list[RequestRecord] = []
+
+    def _instance(self, name: str, role: str, cost: CostModel, sched: SchedulerConfig, cache: CacheConfig,
+                  max_model_len: int, record_steps: bool, store: SimStore | None) -> SimInstance:
+        holder: list[SimInstance] = []
+        door = None if store is None else SimStoreConnector(
+            store, cache.block_size, lambda dt, fn: self.at(self.now + dt, fn), lambda: self._kick(holder[0]))
+        worker = SimInstance(name, role, cost, sched, cache, max_model_len, record_steps, door)
+        holder.append(worker)
+        return worker
 
     # -- the event loop ----------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.disagg.connector import KVRecvConnector
+from tandem.engine.kv_connector import MultiConnector
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel, StepShape
+from tandem.sim.store import SimStoreConnector
 
 # What the simulated sampler returns: any id works (requests stop at max_tokens; EOS is ignored).
 SIM_TOKEN = 1
@@ -62,14 +64,18 @@ class SimInstance:
     cache_config: CacheConfig
     max_model_len: int
     record_steps: bool = False
+    store: SimStoreConnector | None = None  # the tiered store's door, when the deployment has one
     steps: list[StepRecord] = field(default_factory=list)
     busy_s: float = 0.0
 
     def __post_init__(self) -> None:
         num_blocks = max(self.cost.kv_capacity_tokens() // self.cache_config.block_size, 1)
-        self.connector = KVRecvConnector(NullReceiver(), self.cache_config.block_size, self.name)  # type: ignore[arg-type]
+        self.recv = KVRecvConnector(NullReceiver(), self.cache_config.block_size, self.name)  # type: ignore[arg-type]
+        # As in the engine: a decode instance's expected prompts arrive from their prefill instance
+        # first; the store serves everything else.
+        connector = self.recv if self.store is None else MultiConnector([self.recv, self.store])
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks,
-                                   min(self.max_model_len, num_blocks * self.cache_config.block_size), self.connector)
+                                   min(self.max_model_len, num_blocks * self.cache_config.block_size), connector)
         self.step_end: float | None = None  # when the step in flight ends (None: idle)
         self._step: SchedulerOutput | None = None
         self._sampled: list[str] = []
@@ -81,14 +87,14 @@ class SimInstance:
 
     def reserve(self, request: Request) -> None:
         """A disaggregated request: its prompt's KV comes from a prefill instance."""
-        self.connector.expect(request.request_id)
+        self.recv.expect(request.request_id)
         self.scheduler.add_request(request)
 
     def take_reserved(self) -> list[str]:
-        return [h.request_id for h in self.connector.take_reserved()]
+        return [h.request_id for h in self.recv.take_reserved()]
 
     def arrived(self, request_id: str) -> bool:
-        return self.connector.arrived(request_id, SIM_TOKEN)
+        return self.recv.arrived(request_id, SIM_TOKEN)
 
     @property
     def load(self) -> int:
@@ -129,6 +135,8 @@ class SimInstance:
         sched, now = self._step, self.step_end
         assert sched is not None and now is not None
         self._step, self.step_end = None, None
+        if self.store is not None:
+            self.store.step_done()
         changed = self.scheduler.update_from_output(sched, {rid: [SIM_TOKEN] for rid in self._sampled})
         for request, kept in changed:
             on_tokens(TokenEvent(request, now, len(kept), request.is_finished))

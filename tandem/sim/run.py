@@ -18,6 +18,7 @@ from tandem.bench.workloads import Session, Tokenizer, generate
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.sim.cluster import ClusterSim, Deployment, SimResult, SimSession, SimTurn
 from tandem.sim.cost import CostModel, load_profile
+from tandem.sim.store import SimStore, SimTier
 
 
 def to_sim_sessions(sessions: list[Session], offsets: list[float], tokenizer: Tokenizer, think_time_s: float = 0.0,
@@ -59,8 +60,16 @@ def engine_configs(engine: dict[str, Any], overrides: dict[str, Any],
 
 
 def simulate(sessions: list[SimSession], deployment: Deployment, costs: dict[str, CostModel],
-             sched: SchedulerConfig, cache: CacheConfig, max_model_len: int, record_steps: bool = False) -> SimResult:
-    return ClusterSim(deployment, costs, sched, cache, max_model_len, record_steps).run(sessions)
+             sched: SchedulerConfig, cache: CacheConfig, max_model_len: int, record_steps: bool = False,
+             store: SimStore | None = None) -> SimResult:
+    return ClusterSim(deployment, costs, sched, cache, max_model_len, record_steps, store).run(sessions)
+
+
+def sim_store(specs: list[str] | None, cost: CostModel, block_size: int) -> SimStore | None:
+    if not specs:
+        return None
+    block_bytes = cost.kv_bytes_per_token * block_size
+    return SimStore([SimTier.parse(spec, block_bytes) for spec in specs], block_bytes)
 
 
 def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
@@ -78,7 +87,10 @@ def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     costs = role_costs(args)
     overrides = {k: getattr(args, k, None) for k in (*SCHEDULER_KEYS, *CACHE_KEYS, "max_model_len")}
     sched, cache, max_model_len = engine_configs(costs["colocated"].engine, overrides, args.routing == "kv")
-    res = simulate(sim_sessions, deployment, costs, sched, cache, max_model_len)
+    store = sim_store(args.store_tier, costs["colocated"], cache.block_size)
+    if store is not None and not cache.enable_prefix_caching:
+        raise ValueError("the KV store keys blocks as prefix caching does: leave prefix caching on")
+    res = simulate(sim_sessions, deployment, costs, sched, cache, max_model_len, store=store)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "label": args.label,
@@ -97,6 +109,8 @@ def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         "gpus": sum(w.cost.num_devices for w in res.instances),
         "busy_fraction": {w.name: round(w.busy_s / res.duration, 4) for w in res.instances},
     }
+    if store is not None:
+        result["store_hit_blocks"] = {t.name: t.hits for t in store.tiers}
     result |= compute_metrics(res.records, res.duration, percentiles, metrics, goodput)
     by_cat = metrics_by_category(res.records, percentiles, metrics)
     if by_cat:
