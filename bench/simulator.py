@@ -18,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from server_process import bench_serve, serving, tandem_exe
 
 console = Console(stderr=True)
+RatesOf = Callable[[str, str], list[float]]
 METRICS = [("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90")]
 
 DEPLOYMENTS: dict[str, dict[str, Any]] = {
@@ -66,7 +68,7 @@ def common_flags(workload: str, rate: float, num_prompts: int) -> list[str]:
             "--metric-percentiles", "50,90", "--save-result"]
 
 
-def measure(dep: str, workloads: list[str], num_prompts: int, args: argparse.Namespace, rates_of) -> None:  # noqa: ANN001
+def measure(dep: str, workloads: list[str], num_prompts: int, args: argparse.Namespace, rates_of: RatesOf) -> None:
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, serving(dep, DEPLOYMENTS[dep]["serve"], args,
                                                                    progress) as server:
@@ -87,7 +89,7 @@ def simulate(dep: str, workload: str, rate: float, num_prompts: int, profile: Pa
                    stdout=subprocess.DEVNULL)
 
 
-def rows(out_dir: Path, deps: list[str], workloads: list[str], rates_of) -> list[dict[str, Any]]:  # noqa: ANN001
+def rows(out_dir: Path, deps: list[str], workloads: list[str], rates_of: RatesOf) -> list[dict[str, Any]]:
     table = []
     for dep in deps:
         for workload in workloads:

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 
 from tandem.bench.client import EndpointConfig, RequestRecord, send_request
-from tandem.bench.workloads import TextMaker
+from tandem.bench.workloads import TextMaker, Tokenizer
 from tandem.sim.cost import FittedCost, StepShape, nnls
 
 DECODE_BATCHES = (1, 4, 16)
@@ -47,7 +47,7 @@ async def _batch(cfg: EndpointConfig, prompts: list[str], max_tokens: int) -> li
     return records
 
 
-def serving_points(url: str, cost: FittedCost, tokenizer, progress: Callable[[str], None],  # noqa: ANN001
+def serving_points(url: str, cost: FittedCost, tokenizer: Tokenizer, progress: Callable[[str], None],
                    seed: int = 0) -> list[tuple[float, int, float]]:
     maker = TextMaker(tokenizer)
     rng = np.random.default_rng(seed)
@@ -80,7 +80,7 @@ def fit_serving(points: list[tuple[float, int, float]]) -> list[float]:
     return (nnls(a * w[:, None] / scale, y * w) / scale).tolist()
 
 
-def calibrate(cost: FittedCost, serve_argv: list[str], tokenizer, log_path: Path,  # noqa: ANN001
+def calibrate(cost: FittedCost, serve_argv: list[str], tokenizer: Tokenizer, log_path: Path,
               progress: Callable[[str], None], timeout_s: float = 300.0) -> list[tuple[float, int, float]]:
     """Start `tandem serve` with serve_argv on a free loopback port, measure, stop it."""
     port = _free_port()

@@ -256,7 +256,7 @@ class ClusterSim:
             self.at(end, lambda: self._step_done(worker))
 
     def _step_done(self, worker: SimInstance) -> None:
-        start = worker._step_start
+        start = worker.step_start
         sched = worker.finish_step(lambda ev: self._tokens(worker, ev))
         if worker.role != "decode":
             duration = self.now - start

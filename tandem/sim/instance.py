@@ -79,7 +79,7 @@ class SimInstance:
         self.step_end: float | None = None  # when the step in flight ends (None: idle)
         self._step: SchedulerOutput | None = None
         self._sampled: list[str] = []
-        self._step_start = 0.0
+        self.step_start = 0.0  # when the step in flight began
 
     # -- what the cluster does to it -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -126,7 +126,7 @@ class SimInstance:
         if self.record_steps:
             self.steps.append(StepRecord(now, duration, [(s.request.request_id, s.num_new_tokens)
                                                          for s in sched.scheduled], shape))
-        self._step, self._sampled, self._step_start = sched, sampled, now
+        self._step, self._sampled, self.step_start = sched, sampled, now
         self.step_end = now + duration
         self.busy_s += duration
         return self.step_end

@@ -6,20 +6,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tandem.bench.metrics import parse_list
 from tandem.bench.serve import load_bench_tokenizer, workload_config
 from tandem.bench.workloads import generate
-from tandem.sim.cost import CostModel, RooflineCost, load_profile
+from tandem.sim.cluster import SimSession
+from tandem.sim.cost import CostModel, RooflineCost, StepShape, load_profile
 from tandem.sim.hardware import gpu
 from tandem.sim.model_shape import model_shape
 from tandem.sim.moe import WidthRow, format_width_table, plan_expert_parallel
 from tandem.sim.plan import Candidate, Planner, PlanRow, candidates, format_table, plot_curves
 from tandem.sim.run import engine_configs, to_sim_sessions
 
+CostMaker = Callable[[str, int], CostModel]
 
-def cost_maker(args: argparse.Namespace):  # noqa: ANN201 (a closure)
+
+def cost_maker(args: argparse.Namespace) -> tuple[CostMaker, dict[str, Any]]:
     if args.profile:
         measured = load_profile(args.profile)
 
@@ -40,11 +45,9 @@ def cost_maker(args: argparse.Namespace):  # noqa: ANN201 (a closure)
     return roofline, roofline("colocated", 1).engine
 
 
-def start_rate(make_cost, sessions, tp: int) -> float:  # noqa: ANN001
+def start_rate(make_cost: CostMaker, sessions: list[SimSession], tp: int) -> float:
     """A first rate to probe per GPU: what one instance could do if it never waited (prompt and
     output tokens at a batched step's pace)."""
-    from tandem.sim.cost import StepShape
-
     cost = make_cost("colocated", tp)
     mean_in = sum(len(t.prompt) for s in sessions for t in s.turns) / max(sum(len(s.turns) for s in sessions), 1)
     mean_out = sum(t.max_tokens for s in sessions for t in s.turns) / max(sum(len(s.turns) for s in sessions), 1)
