@@ -212,7 +212,7 @@ def test_tandem_profile_measures_the_live_engine(tmp_path):
     # The serving calibration ran the same engine behind `tandem serve`: a scale near one, small overheads.
     scale, overhead, per_seq = cost.serving
     assert 0.5 < scale < 3 and 0 <= overhead < 0.05 and 0 <= per_seq < 0.01
-    assert len(data["meta"]["serving_points"]) == 6
+    assert len(data["meta"]["serving_points"]) == 4
 
 
 def test_expert_rebalancing_evens_a_skewed_load():

@@ -48,6 +48,7 @@ async def _batch(cfg: EndpointConfig, prompts: list[str], max_tokens: int) -> li
 
 
 def serving_points(url: str, cost: FittedCost, tokenizer: Tokenizer, progress: Callable[[str], None],
+                   batches: tuple[int, ...] = DECODE_BATCHES, prompt_lens: tuple[int, ...] = PROMPT_LENS,
                    seed: int = 0) -> list[tuple[float, int, float]]:
     maker = TextMaker(tokenizer)
     rng = np.random.default_rng(seed)
@@ -56,14 +57,14 @@ def serving_points(url: str, cost: FittedCost, tokenizer: Tokenizer, progress: C
     cfg = EndpointConfig(url, "/v1/completions", fetch_model_id(url, None), ignore_eos=True)
     asyncio.run(_batch(cfg, [maker.text(rng, 16)], 4))  # warm-up
     points = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         progress(f"serving: {batch} streams")
         records = asyncio.run(_batch(cfg, [maker.text(rng, PROMPT_TOKENS) for _ in range(batch)], OUTPUT_TOKENS))
         gaps = [g for r in records for g in r.itl[SKIP:]]
         context = PROMPT_TOKENS + (SKIP + OUTPUT_TOKENS) // 2
         predicted = cost.step_time(StepShape.of([(1, context, True)] * batch), serving=False)
         points.append((predicted, batch, float(np.median(gaps))))
-    for n in PROMPT_LENS:
+    for n in prompt_lens:
         progress(f"serving: a prompt of {n} tokens")
         ttfts = [asyncio.run(_batch(cfg, [maker.text(rng, n)], 1))[0].ttft for _ in range(3)]
         predicted = cost.step_time(StepShape.of([(n, 0, True)]), serving=False)
@@ -81,7 +82,8 @@ def fit_serving(points: list[tuple[float, int, float]]) -> list[float]:
 
 
 def calibrate(cost: FittedCost, serve_argv: list[str], tokenizer: Tokenizer, log_path: Path,
-              progress: Callable[[str], None], timeout_s: float = 300.0) -> list[tuple[float, int, float]]:
+              progress: Callable[[str], None], batches: tuple[int, ...] = DECODE_BATCHES,
+              prompt_lens: tuple[int, ...] = PROMPT_LENS, timeout_s: float = 300.0) -> list[tuple[float, int, float]]:
     """Start `tandem serve` with serve_argv on a free loopback port, measure, stop it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -109,7 +111,7 @@ def calibrate(cost: FittedCost, serve_argv: list[str], tokenizer: Tokenizer, log
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tandem serve did not become healthy in {timeout_s:.0f} s; see {log_path}")
             time.sleep(0.5)
-        return serving_points(url, cost, tokenizer, progress)
+        return serving_points(url, cost, tokenizer, progress, batches, prompt_lens)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -34,10 +34,13 @@ class ProfileGrid:
     repeats: int = 2  # each scenario run this many times: a shared machine's steps vary run to run
     max_batch_tokens: int = 32768  # a decode batch's prompts, all told (their prefill is the slow part)
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64)
+    serve_batches: tuple[int, ...] = (1, 4, 16)  # the serving calibration's decode batches
+    serve_prompts: tuple[int, ...] = (32, 256, 768)  # and its prompt lengths
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        return cls((16, 64, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8))
+        return cls((16, 64, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8), serve_batches=(1, 4),
+                   serve_prompts=(32, 256))
 
 
 def shape_of(step: LoggedStep) -> StepShape:
@@ -216,7 +219,7 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
         from tandem.sim.calibrate import calibrate, fit_serving
 
         points = calibrate(cost, serve_argv, load_tokenizer(config.model.model), log_dir / "profile-serve.log",
-                           progress)
+                           progress, grid.serve_batches, grid.serve_prompts)
         cost.serving = fit_serving(points)
         cost.meta["serving_points"] = points
     return cost, steps
