@@ -63,8 +63,11 @@ def result_path(out_dir: Path, kind: str, dep: str, workload: str, rate: float) 
 
 
 def common_flags(workload: str, rate: float, num_prompts: int) -> list[str]:
+    """A seed per workload and rate: no two runs against one server share prompts (the prefix cache would
+    hide their prefill), and the simulator replays each run's own prompts and arrivals."""
     w = WORKLOADS[workload]
-    return [*w["flags"], "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(w["seed"]),
+    seed = w["seed"] + 1000 * round(rate * 100)
+    return [*w["flags"], "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--metric-percentiles", "50,90", "--save-result"]
 
 
