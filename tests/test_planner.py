@@ -113,3 +113,44 @@ def test_a_rising_prompt_load_adds_prefill_before_ttft_misses_and_keeps_it() -> 
         planner.observe(0.2, 0.3)
     assert planner.decide({"prefill": 2, "decode": 1}, prefill_capacity_tok_s=2000.0) is None
     assert planner.decide({"prefill": 2, "decode": 1}, prefill_capacity_tok_s=8000.0) is not None
+
+
+def test_an_elastic_deployment_adds_a_worker_where_no_flip_can_help() -> None:
+    clock = Clock()
+    planner = Planner(SETTINGS, clock)
+    load(planner, clock, ttft=2.5, tpot=0.02)
+    # 1P1D: the decode side has room but its only worker cannot go; on a local host nothing happens.
+    assert planner.decide({"prefill": 1, "decode": 1}) is None
+    action = planner.decide({"prefill": 1, "decode": 1}, can_grow=True)
+    assert action is not None and (action.from_role, action.to_role) == ("", "prefill")
+    clock.now += 61
+    load(planner, clock, ttft=0.2, tpot=0.3)
+    action = planner.decide({"prefill": 2, "decode": 1}, can_grow=True)
+    # A spare prefill worker exists and TTFT has room: a flip, not a new worker.
+    assert action is not None and (action.from_role, action.to_role) == ("prefill", "decode")
+    clock.now += 61
+    load(planner, clock, ttft=0.9, tpot=0.3)  # TTFT has no room left to give: only a new worker helps
+    action = planner.decide({"prefill": 1, "decode": 2}, can_grow=True)
+    assert action is not None and (action.from_role, action.to_role) == ("", "decode")
+    clock.now += 61
+    load(planner, clock, ttft=2.5, tpot=0.02)
+    action = planner.decide({"colocated": 1}, can_grow=True)
+    assert action is not None and action.to_role == "colocated"
+
+
+def test_an_idle_elastic_deployment_lets_a_worker_go_but_never_a_sides_last() -> None:
+    clock = Clock()
+    for roles, expected in [({"prefill": 1, "decode": 2}, "decode"), ({"prefill": 2, "decode": 1}, "prefill"),
+                            ({"colocated": 2}, "colocated"), ({"prefill": 1, "decode": 1}, None),
+                            ({"colocated": 1}, None), ({"prefill": 1, "colocated": 1}, "prefill")]:
+        planner = Planner(SETTINGS, clock)
+        load(planner, clock, ttft=0.1, tpot=0.01)  # far inside both SLOs
+        action = planner.decide(roles, can_shrink=True)
+        assert (action.from_role if action else None) == expected, roles
+        if action is not None:
+            assert action.to_role == ""
+    planner = Planner(SETTINGS, clock)
+    load(planner, clock, ttft=0.1, tpot=0.01)
+    assert planner.decide({"prefill": 1, "decode": 2}) is None  # not elastic: nothing to release
+    load(planner, clock, ttft=0.4, tpot=0.01)  # TTFT not far enough inside
+    assert planner.decide({"prefill": 1, "decode": 2}, can_shrink=True) is None

@@ -82,3 +82,25 @@ def test_ray_deployment_serves_the_local_outputs_and_survives_a_killed_worker(ra
             time.sleep(0.5)
         assert metric(s, "router_worker_deaths") >= 1
         assert run_all(s, texts) == expected
+
+
+def test_the_ray_launcher_sees_room_on_the_cluster(ray_head: str) -> None:
+    """What lets the planner add a worker: free CPUs on the cluster, and none once they are placed."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from tandem.disagg.ray_launch import connect, ray_launcher
+
+    assert connect(ray_head) == "127.0.0.1"
+    try:
+        launcher = ray_launcher(1, 1, 0, 1, [], {}, b"secret", "WARNING")
+        assert set(launcher.roles) == {"prefill-0", "decode-0"} and launcher.new_slot() == [0]
+        deadline = time.monotonic() + 30
+        while not launcher.can_grow():  # the previous test's actors are being released
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        group = placement_group([{"CPU": 2}])
+        ray.get(group.ready(), timeout=60)
+        assert not launcher.can_grow()
+        remove_placement_group(group)
+    finally:
+        ray.shutdown()

@@ -12,7 +12,12 @@ workers) or prefill. More decode: a colocated worker (else a prefill worker) bec
 worker. A side keeps at least one worker able to do its job.
 
 When one side misses while the other has headroom (its p90 well inside its own SLO), it flips one
-worker. After an action it waits a dwell time, and forgets what it measured before: the new split
+worker. On an elastic deployment (workers placed by Ray, with room on the cluster) it can also add a
+worker where a side misses and no flip can help, and remove one when both sides sit far inside their
+SLOs with the forecast load covered by the rest; a scale action is a PlannerAction with an empty
+from_role (add) or to_role (remove).
+
+After an action it waits a dwell time, and forgets what it measured before: the new split
 is judged on its own requests only, so it never flips back and forth on the same evidence
 (Dynamo's 2 <-> 1 replica flapping).
 """
@@ -38,6 +43,7 @@ class PlannerSettings:
     headroom: float = 0.5  # the donor side's p90 must be within this fraction of its SLO
     min_samples: int = 8  # per side, in the window, before anything is decided
     max_prefill_load: float = 0.9  # forecast prompt tokens/s over prefill capacity above which it needs more
+    idle_headroom: float = 0.25  # elastic: both p90s within this fraction of their SLOs lets a worker go
 
 
 @dataclass(frozen=True)
@@ -107,9 +113,11 @@ class Planner:
     def observe_arrival(self, prompt_tokens: int) -> None:
         self._arrivals.append((self.clock(), float(prompt_tokens)))
 
-    def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None) -> PlannerAction | None:
+    def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None,
+               can_grow: bool = False, can_shrink: bool = False) -> PlannerAction | None:
         """roles: routable workers per role; prefill_capacity_tok_s: what the prefill-capable ones
-        measure together (None: unknown, the forecast is not used)."""
+        measure together (None: unknown, the forecast is not used); can_grow / can_shrink: the
+        launcher can add a worker (room on the cluster) or release one."""
         s = self.settings
         now = self.clock()
         for samples in (self._ttft, self._tpot, self._arrivals):
@@ -134,9 +142,47 @@ class Planner:
         if action is None and flip and tpot > s.slo_tpot_s and ttft_room and spare:
             action = PlannerAction(now, *flip, f"TPOT p90 {tpot * 1e3:.0f} ms misses its SLO "
                                    f"{s.slo_tpot_s * 1e3:.0f} ms; TTFT p90 {ttft * 1e3:.0f} ms has room")
+        if action is None and can_grow:
+            action = self._grow(roles, now, ttft, tpot, load)
+        if action is None and can_shrink:
+            action = self._shrink(roles, now, ttft, tpot, load, n)
         if action is not None:
             self._last_action = now
             self._ttft.clear()
             self._tpot.clear()
             self.actions.append(action)
         return action
+
+    def _grow(self, roles: dict[str, int], now: float, ttft: float, tpot: float, load: float) -> PlannerAction | None:
+        """A side misses and no flip could help: one more worker for it."""
+        s = self.settings
+        colocated_only = not roles.get("prefill") and not roles.get("decode")
+        if ttft > s.slo_ttft_s or load > s.max_prefill_load:
+            role = "colocated" if colocated_only else "prefill"
+            return PlannerAction(now, "", role, f"TTFT p90 {ttft * 1e3:.0f} ms / prompt load {load:.0%}: "
+                                 f"a {role} worker more")
+        if tpot > s.slo_tpot_s:
+            role = "colocated" if colocated_only else "decode"
+            return PlannerAction(now, "", role, f"TPOT p90 {tpot * 1e3:.0f} ms misses its SLO: a {role} worker more")
+        return None
+
+    def _shrink(self, roles: dict[str, int], now: float, ttft: float, tpot: float, load: float,
+                prefill_capable: int) -> PlannerAction | None:
+        """Both sides far inside their SLOs: release a worker (decode first), never the last that can
+        prefill or decode, nor prefill capacity the forecast load would miss."""
+        s = self.settings
+        if ttft > s.idle_headroom * s.slo_ttft_s or tpot > s.idle_headroom * s.slo_tpot_s:
+            return None
+        decode_capable = roles.get("decode", 0) + roles.get("colocated", 0)
+        for role in ("decode", "prefill", "colocated"):
+            if roles.get(role, 0) < 1:
+                continue
+            left_prefill = prefill_capable - (role != "decode")
+            left_decode = decode_capable - (role != "prefill")
+            if left_prefill < 1 or left_decode < 1:
+                continue
+            if role != "decode" and load * prefill_capable / left_prefill >= s.max_prefill_load / 2:
+                continue
+            return PlannerAction(now, role, "", f"TTFT p90 {ttft * 1e3:.0f} ms and TPOT p90 {tpot * 1e3:.0f} ms "
+                                 f"far inside their SLOs: a {role} worker fewer")
+        return None

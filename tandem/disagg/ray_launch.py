@@ -122,6 +122,14 @@ class RayLauncher:
     log_level: str
     placement_timeout_s: float = 120.0
     procs: list[RayWorkerProcess] = field(default_factory=list)
+    cpus_per_worker: int = 1
+
+    def can_grow(self) -> bool:
+        """Room on the cluster for one more worker (the planner may then add one)."""
+        return _ray().available_resources().get("CPU", 0.0) >= self.cpus_per_worker
+
+    def new_slot(self) -> list[int]:
+        return list(range(self.cpus_per_worker))
 
     def __call__(self, router_address: str) -> list[RayWorkerProcess]:
         return [self.start(worker_id, router_address) for worker_id in self.roles]
@@ -154,4 +162,4 @@ def ray_launcher(num_prefill: int, num_decode: int, num_colocated: int, cpus_per
     for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
         for i in range(n):
             roles[f"{role}-{i}"] = (role, list(range(cpus_per_worker)))
-    return RayLauncher(roles, engine_argv, role_argv, secret, log_level)
+    return RayLauncher(roles, engine_argv, role_argv, secret, log_level, cpus_per_worker=cpus_per_worker)
