@@ -130,6 +130,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     markers = {"colocated": "o", "1p1d": "s"}
@@ -148,6 +149,9 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
                         label="±15%")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, and none on the minor ticks (they overlap)
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"measured {metric.upper()} (ms)")
         ax.set_ylabel(f"predicted {metric.upper()} (ms)")
         handles, labels = ax.get_legend_handles_labels()

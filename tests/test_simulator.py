@@ -158,9 +158,10 @@ def test_roofline_prices_decode_by_bytes_and_prefill_by_flops():
 
 
 def test_plan_finds_the_known_optimum():
-    """Decode steps batch almost for free and a prompt step holds a stream's token for 60 ms: a
-    TPOT SLO of 30 ms rules out colocation, and one decode instance keeps up with up to four prefill
-    instances, so the best per GPU is the largest prefill:decode ratio allowed (4P1D)."""
+    """Decode steps batch almost for free and a prompt step holds a stream's token for 60 ms: against a
+    TPOT SLO of 30 ms every prompt a colocated instance takes costs its streams, and one decode
+    instance keeps up with up to four prefill instances, so the best per GPU is the largest
+    prefill:decode ratio allowed (4P1D), and colocation is well behind it."""
     cost = linear_cost(a=0.010, b=0.0005, hop=0.0)
     sessions = [SimSession([SimTurn(prompt(100, i), 20)], 0.0) for i in range(120)]
     planner = Planner(lambda role, tp: cost, sessions, {"ttft": 300.0, "tpot": 30.0}, SchedulerConfig(),
@@ -170,7 +171,7 @@ def test_plan_finds_the_known_optimum():
     best = rows[0].candidate
     assert (best.deployment.prefill, best.deployment.decode) == (4, 1), [r.candidate.describe() for r in rows]
     colocated = next(r for r in rows if not r.candidate.deployment.is_disaggregated)
-    assert colocated.goodput_per_gpu < rows[0].goodput_per_gpu / 2
+    assert colocated.goodput_per_gpu < 0.7 * rows[0].goodput_per_gpu
 
 
 def test_bench_sim_writes_a_result_that_compare_reads(tmp_path):

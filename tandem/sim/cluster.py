@@ -250,8 +250,11 @@ class ClusterSim:
         if worker.step_end is not None:
             return
         end = worker.start_step(self.now)
-        for rid in worker.take_reserved():
-            self._on_reserved(worker, rid)
+        # A worker answers Reserved after the step whose schedule() allocated the blocks (it reports
+        # between steps), so a busy decode worker costs a reservation the rest of its step and one more.
+        reserved = worker.take_reserved()
+        if reserved:
+            self.at(self.now if end is None else end, lambda: [self._on_reserved(worker, rid) for rid in reserved])
         if end is not None:
             self.at(end, lambda: self._step_done(worker))
 
