@@ -60,7 +60,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    num_prompts, max_instances = (80, 3) if args.quick else (200, 4)
+    num_prompts, max_instances = (300, 3) if args.quick else (3000, 4)
     lines = ["# tandem plan at scale", ""]
     found = {}
     for name, (flags, slo) in STUDIES.items():

@@ -19,7 +19,7 @@ from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, RooflineCost, StepShape, 
 from tandem.sim.hardware import gpu
 from tandem.sim.instance import SimInstance
 from tandem.sim.model_shape import PRESETS
-from tandem.sim.plan import Planner, candidates
+from tandem.sim.plan import Planner
 
 A, B = 0.010, 0.0005  # a step costs 10 ms plus 0.5 ms a token
 
@@ -86,6 +86,7 @@ def test_one_disaggregated_request_follows_the_protocol_exactly():
 def test_deployment_specs():
     assert Deployment.parse("2P4D") == Deployment(0, 2, 4)
     assert Deployment.parse("1p1d1c").describe() == "1P1D1C"
+    assert Deployment.parse("2D").decode_alone
     for bad in ("", "2X", "1P", "P1D", "0C"):
         with pytest.raises(ValueError):
             Deployment.parse(bad)
@@ -163,15 +164,19 @@ def test_plan_finds_the_known_optimum():
     instance keeps up with up to four prefill instances, so the best per GPU is the largest
     prefill:decode ratio allowed (4P1D), and colocation is well behind it."""
     cost = linear_cost(a=0.010, b=0.0005, hop=0.0)
-    sessions = [SimSession([SimTurn(prompt(100, i), 20)], 0.0) for i in range(120)]
+    sessions = [SimSession([SimTurn(prompt(100, i), 20)], 0.0) for i in range(600)]
     planner = Planner(lambda role, tp: cost, sessions, {"ttft": 300.0, "tpot": 30.0}, SchedulerConfig(),
-                      CacheConfig(enable_prefix_caching=False), 4096, target=0.9, iterations=5)
-    cands = candidates([1], max_gpus=5, max_instances=4)
-    rows = planner.search(cands, start_rate=4.0)
+                      CacheConfig(enable_prefix_caching=False), 4096, target=0.9, iterations=5, span_s=5.0)
+    rows = planner.search([1], max_gpus=5, max_instances=4, start_rate=4.0)
     best = rows[0].candidate
     assert (best.deployment.prefill, best.deployment.decode) == (4, 1), [r.candidate.describe() for r in rows]
     colocated = next(r for r in rows if not r.candidate.deployment.is_disaggregated)
     assert colocated.goodput_per_gpu < 0.7 * rows[0].goodput_per_gpu
+    # The phases alone: a prefill instance and a decode instance, and the split their ratio implies.
+    prefill, decode = (next(r for r in planner.simulated if r.phase == p) for p in ("prefill", "decode"))
+    assert 3 * prefill.goodput < decode.goodput < 5 * prefill.goodput
+    assert rows[0].goodput == pytest.approx(4 * prefill.goodput)
+    assert rows[0].verified is not None and rows[0].verified > 0.5
 
 
 def test_bench_sim_writes_a_result_that_compare_reads(tmp_path):

@@ -157,5 +157,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output", default=None, help="write the ranked table as JSON here")
     o.add_argument("--plot", default=None, help="write attainment vs rate per GPU (PNG) here")
     o.add_argument("--top", type=int, default=15, help="rows to print")
+    o.add_argument("--span", type=float, default=10.0,
+                   help="seconds of arrivals each probe simulates (capped by --num-prompts requests)")
     add_workload_args(p)
-    p.set_defaults(func=_cmd_plan, num_prompts=200)
+    p.set_defaults(func=_cmd_plan, num_prompts=1000)

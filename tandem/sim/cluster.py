@@ -42,14 +42,15 @@ class Deployment:
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
             raise ValueError("instance counts must not be negative")
-        if (self.prefill > 0) != (self.decode > 0):
-            raise ValueError("a disaggregated deployment needs prefill and decode instances both")
-        if self.colocated + self.prefill == 0:
+        if self.prefill > 0 and self.decode == 0:
+            raise ValueError("prefill instances need decode instances to hand their requests to")
+        if self.colocated + self.prefill + self.decode == 0:
             raise ValueError("a deployment needs at least one instance")
 
     @classmethod
     def parse(cls, text: str, routing: str = "least-loaded", mixed_threshold: int = 512) -> Deployment:
-        """"2C", "1P1D", "2P4D", "1P2D1C" (counts of Colocated, Prefill, Decode instances)."""
+        """"2C", "1P1D", "2P4D", "1P2D1C" (counts of Colocated, Prefill, Decode instances); "1D" alone
+        is a decode pool whose prompts arrive with their KV (the planner's decode phase)."""
         compact = text.replace(" ", "")
         parts = _SPEC.findall(compact)
         if not parts or "".join(n + r for n, r in parts).upper() != compact.upper():
@@ -60,12 +61,17 @@ class Deployment:
         return cls(counts["C"], counts["P"], counts["D"], routing, mixed_threshold)
 
     def describe(self) -> str:
-        disagg = f"{self.prefill}P{self.decode}D" if self.prefill else ""
+        disagg = (f"{self.prefill}P" if self.prefill else "") + (f"{self.decode}D" if self.decode else "")
         return disagg + (f"{self.colocated}C" if self.colocated else "")
 
     @property
     def is_disaggregated(self) -> bool:
-        return self.prefill > 0
+        return self.decode > 0
+
+    @property
+    def decode_alone(self) -> bool:
+        """Only decode instances: a decode pool studied alone, its prompts arriving with their KV."""
+        return self.decode > 0 and not (self.prefill or self.colocated)
 
 
 @dataclass
@@ -132,7 +138,8 @@ class ClusterSim:
                              lambda w: w.active_blocks())  # type: ignore[arg-type,attr-defined]
         self._flights: dict[str, _Flight] = {}  # by engine request id
         self._prefilling: dict[str, tuple[SimInstance, float]] = {}  # rid -> (decode instance, transfer done)
-        self._awaiting_prefill: dict[str, tuple[Request, SimInstance]] = {}  # reserved: prefill not yet sent
+        # Reserved, its prefill not yet sent (no prefill instance: a decode pool alone).
+        self._awaiting_prefill: dict[str, tuple[Request, SimInstance | None]] = {}
         self.records: list[RequestRecord] = []
 
     def _instance(self, name: str, role: str, cost: CostModel, sched: SchedulerConfig, cache: CacheConfig,
@@ -186,8 +193,9 @@ class ClusterSim:
             worker = self._pick(keys, num_blocks, self.pools["colocated"])
             self.at(self.now + self.hop_s, lambda: self._add(worker, request))
             return
-        prefill = self._pick(keys, num_blocks, self.pools["prefill"] + (self.pools["colocated"] if d.colocated else []))
         decode = self._pick(keys, num_blocks, self.pools["decode"])
+        prefill = None if d.decode_alone else self._pick(keys, num_blocks,
+                                                         self.pools["prefill"] + self.pools["colocated"])
         self._awaiting_prefill[rid] = (request, prefill)
         self.at(self.now + self.hop_s, lambda: self._reserve(decode, request))
 
@@ -210,6 +218,11 @@ class ClusterSim:
 
     def _on_reserved(self, decode: SimInstance, rid: str) -> None:
         request, prefill = self._awaiting_prefill.pop(rid)
+        if prefill is None:  # a decode pool alone: the prompt's KV arrives over the link
+            nbytes = request.num_prompt_tokens * decode.cost.kv_bytes_per_token
+            self._prefilling[rid] = (decode, self.now + decode.cost.transfer_time(nbytes))
+            self._prefilled(rid)
+            return
         copy = sim_request(rid, list(request.prompt_token_ids), 1, self.now)
         self._prefilling[rid] = (decode, 0.0)
         # Reserved goes back to the router, Prefill on to the prefill instance: two hops.

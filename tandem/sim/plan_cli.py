@@ -18,7 +18,7 @@ from tandem.sim.cost import CostModel, RooflineCost, StepShape, load_profile
 from tandem.sim.hardware import gpu
 from tandem.sim.model_shape import model_shape
 from tandem.sim.moe import WidthRow, format_width_table, plan_expert_parallel
-from tandem.sim.plan import Candidate, Planner, PlanRow, candidates, format_table, plot_curves
+from tandem.sim.plan import Planner, PlanRow, format_table, plot_curves
 from tandem.sim.run import engine_configs, to_sim_sessions
 
 CostMaker = Callable[[str, int], CostModel]
@@ -89,18 +89,23 @@ def run_plan(args: argparse.Namespace) -> list[PlanRow] | list[WidthRow]:
     sim_sessions = to_sim_sessions(sessions, [0.0] * len(sessions), tokenizer, 0.0, args.seed)
     sched, cache, max_model_len = engine_configs(engine, {}, False)
     planner = Planner(make_cost, sim_sessions, {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, sched, cache,
-                      max_model_len, args.attainment, args.seed)
-    cands: list[Candidate] = candidates(tps, args.max_gpus, args.max_instances)
+                      max_model_len, args.attainment, args.seed, span_s=args.span)
     rate = start_rate(make_cost, sim_sessions, min(tps))
-    rows = planner.search(cands, rate, lambda s: print(s, file=sys.stderr, flush=True))
+    rows = planner.search(tps, args.max_gpus, args.max_instances, rate, lambda s: print(s, file=sys.stderr, flush=True))
     where = args.profile or f"{args.gpu} / {args.model_shape}"
     print(f"\n{where}: TTFT <= {args.slo_ttft:g} ms and TPOT <= {args.slo_tpot:g} ms for "
-          f"{args.attainment:.0%} of requests ({args.dataset_name}, {len(sim_sessions)} requests)")
+          f"{args.attainment:.0%} of requests ({args.dataset_name}, up to {len(sim_sessions)} requests a probe, "
+          f"arrivals over {planner.span_s:g} s)")
+    for r in planner.simulated:
+        what = {"prefill": "a prefill instance (TTFT)", "decode": "a decode instance (TPOT)"}.get(r.phase, "colocated")
+        print(f"  {what}, tp{r.candidate.tp_decode if r.phase == 'decode' else r.candidate.tp_prefill}: "
+              f"{r.goodput:.3f} req/s")
     print(format_table(rows, args.top))
     if args.output:
         Path(args.output).write_text(json.dumps([
             {"deployment": r.candidate.describe(), "gpus": r.candidate.gpus, "goodput": r.goodput,
-             "goodput_per_gpu": r.goodput_per_gpu, "curve": r.curve} for r in rows], indent=2) + "\n")
+             "goodput_per_gpu": r.goodput_per_gpu, "verified_attainment": r.verified, "curve": r.curve}
+            for r in rows], indent=2) + "\n")
     if args.plot:
-        print("plot:", plot_curves(rows, args.plot, f"{where}: SLO attainment vs load", args.attainment))
+        print("plot:", plot_curves(planner.simulated, args.plot, f"{where}: SLO attainment vs load", args.attainment))
     return rows
