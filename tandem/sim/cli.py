@@ -157,6 +157,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output", default=None, help="write the ranked table as JSON here")
     o.add_argument("--plot", default=None, help="write attainment vs rate per GPU (PNG) here")
     o.add_argument("--top", type=int, default=15, help="rows to print")
+    o.add_argument("--max-num-batched-tokens", type=int, default=None, help="every instance's token budget "
+                   "(default: the profile's; an analytic profile's is 2048)")
+    o.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="(default: the profile's, on) --no-enable-chunked-prefill plans against colocation as "
+                        "engines without chunked prefill run it, as DistServe compared")
     o.add_argument("--span", type=float, default=10.0,
                    help="seconds of arrivals each probe simulates (capped by --num-prompts requests)")
     add_workload_args(p)

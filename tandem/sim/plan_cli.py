@@ -87,7 +87,9 @@ def run_plan(args: argparse.Namespace) -> list[PlanRow] | list[WidthRow]:
     tokenizer = load_bench_tokenizer(args.tokenizer)
     sessions = generate(workload_config(args), tokenizer)
     sim_sessions = to_sim_sessions(sessions, [0.0] * len(sessions), tokenizer, 0.0, args.seed)
-    sched, cache, max_model_len = engine_configs(engine, {}, False)
+    overrides = {"max_num_batched_tokens": args.max_num_batched_tokens,
+                 "enable_chunked_prefill": args.enable_chunked_prefill}
+    sched, cache, max_model_len = engine_configs(engine, overrides, False)
     planner = Planner(make_cost, sim_sessions, {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, sched, cache,
                       max_model_len, args.attainment, args.seed, span_s=args.span)
     rate = start_rate(make_cost, sim_sessions, min(tps))
