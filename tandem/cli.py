@@ -200,10 +200,14 @@ def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa:
 
         if not num_local:
             raise ValueError("--ray places workers: give --prefill-workers/--decode-workers or --workers")
-        # Workers on other hosts connect back to this node's address.
-        bind = args.router_bind or f"tcp://{connect(args.ray)}:0"
+        # Workers on other hosts connect back to this node's address (as the cluster knows it), unless
+        # --router-bind says where; a loopback router keeps the workers' KV on loopback too.
+        node = connect(args.ray)
+        bind = args.router_bind or f"tcp://{node}:0"
+        loopback = bind.startswith(("tcp://127.", "tcp://localhost"))
         launch = ray_launcher(args.prefill_workers, args.decode_workers, args.workers, args.ray_worker_cpus,
-                              engine_argv(args), role_argv, secret, args.log_level.upper())
+                              engine_argv(args), role_argv, secret, args.log_level.upper(),
+                              "127.0.0.1" if loopback else None)
     elif num_local:
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)

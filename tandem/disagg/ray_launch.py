@@ -26,12 +26,23 @@ def _ray() -> Any:
     return ray
 
 
+def node_address() -> str:
+    """This process's node as the cluster knows it (the address its raylet was started with: a head
+    on 127.0.0.1 keeps everything on loopback), not whatever interface the host routes out of."""
+    ray = _ray()
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return str(node["NodeManagerAddress"])
+    return ray.util.get_node_ip_address()
+
+
 def connect(address: str | None) -> str:
-    """Join the Ray cluster at address ("auto": the one this host belongs to); this node's IP."""
+    """Join the Ray cluster at address ("auto": the one this host belongs to); this node's address."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
-    return ray.util.get_node_ip_address()
+    return node_address()
 
 
 class WorkerActor:
@@ -41,7 +52,7 @@ class WorkerActor:
         return os.getpid()
 
     def run(self, engine_argv: list[str], role: str, router: str, secret: bytes, worker_id: str, num_cpus: int,
-            log_level: str) -> int:
+            log_level: str, kv_host: str | None) -> int:
         import argparse
 
         from tandem.cli import add_engine_args, engine_kwargs
@@ -54,8 +65,7 @@ class WorkerActor:
         args = parser.parse_args(engine_argv)
         args.num_threads = num_cpus  # the CPUs Ray reserved for it, not the host's
         config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-        ray = _ray()
-        return run_worker(config, role, router, secret, worker_id, None, "zmq", ray.util.get_node_ip_address())
+        return run_worker(config, role, router, secret, worker_id, None, "zmq", kv_host or node_address())
 
 
 _actor_cls: Any = None
@@ -123,6 +133,9 @@ class RayLauncher:
     placement_timeout_s: float = 120.0
     procs: list[RayWorkerProcess] = field(default_factory=list)
     cpus_per_worker: int = 1
+    # Where decode actors bind their KV receivers: None, their node's address; a router bound to
+    # loopback (one host) keeps them on loopback too.
+    kv_host: str | None = None
 
     def can_grow(self) -> bool:
         """Room on the cluster for one more worker (the planner may then add one)."""
@@ -149,7 +162,8 @@ class RayLauncher:
             placement_group=group)).remote()
         pid = ray.get(actor.pid.remote())
         argv = [*self.engine_argv, *self.role_argv.get(role, [])]
-        run_ref = actor.run.remote(argv, role, router_address, self.secret, worker_id, cpus, self.log_level)
+        run_ref = actor.run.remote(argv, role, router_address, self.secret, worker_id, cpus, self.log_level,
+                                   self.kv_host)
         log.warning("worker %s (%s) placed as a Ray actor, pid %d", worker_id, role, pid)
         proc = RayWorkerProcess(actor, group, run_ref, pid)
         self.procs.append(proc)
@@ -157,9 +171,11 @@ class RayLauncher:
 
 
 def ray_launcher(num_prefill: int, num_decode: int, num_colocated: int, cpus_per_worker: int, engine_argv: list[str],
-                 role_argv: dict[str, list[str]], secret: bytes, log_level: str) -> RayLauncher:
+                 role_argv: dict[str, list[str]], secret: bytes, log_level: str,
+                 kv_host: str | None = None) -> RayLauncher:
     roles: dict[str, tuple[str, list[int]]] = {}
     for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
         for i in range(n):
             roles[f"{role}-{i}"] = (role, list(range(cpus_per_worker)))
-    return RayLauncher(roles, engine_argv, role_argv, secret, log_level, cpus_per_worker=cpus_per_worker)
+    return RayLauncher(roles, engine_argv, role_argv, secret, log_level, cpus_per_worker=cpus_per_worker,
+                       kv_host=kv_host)
