@@ -39,8 +39,8 @@ class ProfileGrid:
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        return cls((16, 64, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8), serve_batches=(1, 4),
-                   serve_prompts=(32, 256))
+        return cls((16, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8), serve_batches=(1, 4),
+                   serve_prompts=(32,))
 
 
 def shape_of(step: LoggedStep) -> StepShape:
