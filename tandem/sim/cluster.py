@@ -93,7 +93,6 @@ class _Flight:
     """One request's life, as the client sees it."""
 
     record: RequestRecord
-    request: Request
     times: list[float] = field(default_factory=list)  # each token's arrival at the client
     next_turn: Callable[[], None] | None = None  # the session's next turn, sent after this one's last token
 
@@ -177,7 +176,7 @@ class ClusterSim:
         rid = f"s{s_i}t{t_i}"
         record = RequestRecord(i, s_i, t_i, turn.category, len(prompt), turn.max_tokens, start=self.now)
         request = sim_request(rid, prompt, turn.max_tokens, self.now)
-        flight = _Flight(record, request)
+        flight = _Flight(record)
         if t_i + 1 < len(session.turns):
             answer = [SIM_TOKEN] * turn.max_tokens
             think = session.think_times[t_i] if t_i < len(session.think_times) else 0.0
@@ -275,15 +274,14 @@ class ClusterSim:
         start = worker.step_start
         sched = worker.finish_step(lambda ev: self._tokens(worker, ev))
         if worker.role != "decode":
-            duration = self.now - start
-            for s in sched.scheduled:
-                if s.request.request_id in self._prefilling:
-                    self._ship(worker, start, duration, s.request.request_id, s.num_new_tokens)
-            # Any prefill-capable instance may be prefilling for a decode instance: finished ones go on.
+            # Any prefill-capable instance may be prefilling for a decode instance: its KV leaves, and a
+            # finished prefill goes on.
             for s in sched.scheduled:
                 rid = s.request.request_id
-                if rid in self._prefilling and s.request.is_finished:
-                    self._prefilled(rid)
+                if rid in self._prefilling:
+                    self._ship(worker, start, self.now - start, rid, s.num_new_tokens)
+                    if s.request.is_finished:
+                        self._prefilled(rid)
         if self._kv_routing:
             self.index.apply(worker.name, worker.scheduler.kv.pool.take_events())
         self._kick(worker)
