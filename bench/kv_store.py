@@ -87,8 +87,8 @@ def kv_block_bytes(model: str | None) -> int:
         from tandem.model.arch import arch_from_gguf_metadata
         from tandem.model.loader import _read_gguf, resolve_model_path
 
-        reader, meta = _read_gguf(resolve_model_path(model))
-        names = {t.name for t in reader.tensors}
+        tensors, meta = _read_gguf(resolve_model_path(model))
+        names = {t.name for t in tensors}
         arch = arch_from_gguf_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
         return arch.kv_bytes_per_token(4) * BLOCK_SIZE
     except Exception:  # noqa: BLE001 (an HF directory, another format: SmolLM2-135M's size is a fair guess)

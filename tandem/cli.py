@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import socket
 import sys
 import time
 
+from tandem import logs
 from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, SchedulerConfig
+from tandem.logs import LOG_FORMATS
 from tandem.serve.admission import AdmissionSettings
 
 
@@ -134,14 +135,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
+    from pathlib import Path
 
     import torch
     import uvicorn
 
     from tandem.config import EngineConfig
-    from tandem.model.loader import load_tokenizer
+    from tandem.logs import startup
+    from tandem.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
     from tandem.serve.api import ServerSettings, build_app
+    from tandem.serve.startup import AnnouncingServer, check_port
+    from tandem.slo import Slo
 
+    check_port(args.host, args.port)  # before a minute of loading, not after
     # This process parses HTTP and tokenizes; the model's threads belong to the core process.
     torch.set_num_threads(1)
     keys = list(args.api_key or [])
@@ -163,18 +169,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               trust_request_chat_template=args.trust_request_chat_template,
                               admission=admission, tenant_header=args.tenant_header,
                               tenant_weights=parse_weights(args.tenant_weight or []),
-                              metrics_require_api_key=args.metrics_require_api_key)
+                              metrics_require_api_key=args.metrics_require_api_key,
+                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:
         engine = _disaggregated_engine(args, config, tokenizer)
+        startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
+                     args.decode_workers, args.workers)
+    else:
+        startup.info("starting the engine core process")
     app = build_app(config, settings, tokenizer, engine)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    model = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
+    server = AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                                             log_config=None), model, bool(keys))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+        server.run()
     finally:
         if owned_shm is not None and os.path.exists(owned_shm):
             os.unlink(owned_shm)
@@ -183,12 +197,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _disaggregated_engine(args: argparse.Namespace, config, tokenizer):  # noqa: ANN001, ANN202
     from tandem.disagg.launch import local_launcher
-    from tandem.disagg.paths import Slo
     from tandem.disagg.planner import PlannerSettings
     from tandem.disagg.router import DisaggEngine
     from tandem.disagg.routing import RoutingSettings
     from tandem.disagg.settings import RouterSettings
     from tandem.disagg.wire import SECRET_ENV, new_secret
+    from tandem.slo import Slo
 
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
     launch = None
@@ -234,7 +248,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
                       args.kv_host, args.parent_pid)
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", default=None, choices=LOG_FORMATS,
+                   help="text for people (default), or json: one object a line with ts, level, process, msg "
+                        "and the event's fields; the deployment's child processes log the same way")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -283,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
     srv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
     srv.add_argument("--uvicorn-log-level", default="warning")
+    add_log_args(srv)
     srv.add_argument("--kv-events-endpoint", default=None,
                      help="publish prefix-cache block events on this ZeroMQ PUB address (e.g. tcp://127.0.0.1:5557)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
@@ -349,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="decode workers: receive KV by shared memory (same host only) or ZeroMQ/TCP")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode workers: address the KV receiver binds")
     wrk.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # exit when it exits
+    add_log_args(wrk)
     wrk.set_defaults(func=cmd_worker)
 
     from tandem.bench.cli import add_bench_parser
@@ -357,9 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    process = {"serve": "api", "worker": getattr(args, "worker_id", None) or f"{getattr(args, 'role', '')}-worker"}
+    logs.setup(args.log_level, getattr(args, "log_format", None), process.get(args.command, args.command))
     try:
         return args.func(args)
     except ValueError as e:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,11 @@ def test_bench_serve_against_tandem(tmp_path: Path, capsys: pytest.CaptureFixtur
         common = ["--base-url", server.url, "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
                   "--ignore-eos", "--random-input-len", "32", "--random-output-len", "8"]
         assert main(["bench", "serve", *common, "--num-prompts", "8", "--result-filename", "cmpl.json",
-                     "--goodput", "ttft:60000", "--num-warmups", "1"]) == 0
+                     "--goodput", "ttft:60000", "--num-warmups", "1", "--report", str(tmp_path / "cmpl.html")]) == 0
         assert main(["bench", "serve", *common, "--backend", "openai-chat", "--num-prompts", "4",
                      "--max-concurrency", "2", "--result-filename", "chat.json"]) == 0
+    assert main(["bench", "compare", str(tmp_path / "cmpl.json"), str(tmp_path / "chat.json"),
+                 "--report", str(tmp_path / "both.html")]) == 0
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out
 
@@ -36,3 +40,62 @@ def test_bench_serve_against_tandem(tmp_path: Path, capsys: pytest.CaptureFixtur
     c = json.loads((tmp_path / "chat.json").read_text())
     assert c["completed"] == 4 and c["total_output_tokens"] == 4 * 8 and c["max_concurrent_requests"] <= 2
     assert c["mean_ttft_ms"] > 0
+
+    # The HTML reports: self-contained, the result's own numbers, and plots that are real PNGs.
+    one = Page.parse(tmp_path / "cmpl.html")
+    assert one.cells[("seed", "value")] == str(r["seed"])
+    assert one.cells[("output_throughput", "value")] == f"{r['output_throughput']:,.2f}"
+    assert one.cells[("p99_ttft_ms", "value")] == f"{r['p99_ttft_ms']:,.2f}"
+    assert len(one.images) == 3
+    both = Page.parse(tmp_path / "both.html")
+    assert both.cells[("total_output_tokens", "/ cmpl")] == f"{(4 * 8) / (8 * 8):.2f}x"
+    assert len(both.images) == 1  # the two runs' CDFs on one figure, from the records saved beside them
+
+
+class Page(HTMLParser):
+    """The tables (row header, column header) -> cell text and the embedded images of a report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: dict[tuple[str, str], str] = {}
+        self.images: list[bytes] = []
+        self._header: list[str] = []
+        self._row: list[str] = []
+        self._text: list[str] | None = None
+        self._th = False
+
+    @classmethod
+    def parse(cls, path: Path) -> Page:
+        page = cls()
+        text = path.read_text()
+        assert "<script" not in text and "http://" not in text and "https://" not in text  # nothing to fetch
+        page.feed(text)
+        return page
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("th", "td"):
+            self._text = []
+            self._th = tag == "th"
+        elif tag == "tr":
+            self._row = []
+        elif tag == "img":
+            src = dict(attrs)["src"] or ""
+            assert src.startswith("data:image/png;base64,")
+            data = base64.b64decode(src.split(",", 1)[1])
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+            self.images.append(data)
+
+    def handle_data(self, data: str) -> None:
+        if self._text is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("th", "td") and self._text is not None:
+            self._row.append("".join(self._text))
+            self._text = None
+        elif tag == "tr":
+            if self._th:  # a table's header row
+                self._header = self._row
+            else:
+                for col, cell in zip(self._header[1:], self._row[1:], strict=False):
+                    self.cells[(self._row[0], col)] = cell

@@ -132,6 +132,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default=None, help="name of this run in the result and in compare")
     g.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="extra fields for the JSON")
     g.add_argument("--plot", action="store_true", help="write PNG plots next to the result")
+    g.add_argument("--report", default=None, metavar="FILE.html",
+                   help="write one self-contained HTML page: the settings, the metrics table and the plots")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -154,6 +156,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
     print(compare_files(args.results, fields))
+    if args.report:
+        from tandem.bench.compare import compare_html
+
+        print(f"report: {compare_html(args.results, args.report)}")
     return 0
 
 
@@ -180,4 +186,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     compare = bench_sub.add_parser("compare", help="result files side by side, with ratios to the first")
     compare.add_argument("results", nargs="+", help="result JSON files (the first is the baseline)")
     compare.add_argument("--fields", default=None, help="comma-separated result fields (default: the headline)")
+    compare.add_argument("--report", default=None, metavar="FILE.html",
+                         help="the runs on one self-contained HTML page, with their latency CDFs overlaid (from "
+                         "the per-request records --save-result keeps next to each result)")
     compare.set_defaults(func=_cmd_compare)

@@ -82,3 +82,17 @@ def compare_files(paths: Sequence[str | Path], fields: Sequence[str] | None = No
         raise ValueError("compare needs at least two result files")
     results = [load(p) for p in paths]
     return compare_table(results, labels_for(paths, results), fields)
+
+
+def compare_html(paths: Sequence[str | Path], report: str | Path) -> Path:
+    """The runs on one HTML page (bench/html_report.py), with each run's per-request records when
+    they were saved next to it."""
+    from tandem.bench import html_report
+    from tandem.bench.report import load_records
+
+    results = [load(p) for p in paths]
+    records = []
+    for p in paths:
+        sibling = Path(p).with_suffix(".requests.jsonl")
+        records.append(load_records(sibling) if sibling.exists() else None)
+    return html_report.write(html_report.compare_report(results, labels_for(paths, results), records), report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,15 +28,33 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def png(fig: Any) -> bytes:
+    """A figure as PNG bytes (for a self-contained HTML report), closed afterwards."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def latency_cdfs(records: Sequence[RequestRecord], path: Path, metrics: Sequence[str] = METRICS,
                  title: str = "") -> Path:
-    """One empirical CDF per metric, split by workload category when there are several."""
-    cats = sorted({r.category for r in records})
+    return _save(latency_cdfs_figure({"": records}, metrics, title), path)
+
+
+def latency_cdfs_figure(runs: dict[str, Sequence[RequestRecord]], metrics: Sequence[str] = METRICS,
+                        title: str = "") -> Any:
+    """One empirical CDF per metric: one line per run, or per workload category when one run has several."""
+    if len(runs) == 1:
+        [records] = runs.values()
+        cats = sorted({r.category for r in records})
+        if len(cats) > 1:
+            runs = {c: [r for r in records if r.category == c] for c in cats}
     ncols = 2
     nrows = (len(metrics) + 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(10, 3.6 * nrows), squeeze=False)
     for ax, name in zip(axes.flat, metrics, strict=False):
-        groups = [(c, [r for r in records if r.category == c]) for c in cats] if len(cats) > 1 else [("", records)]
+        groups = list(runs.items())
         for cat, sub in groups:
             ms = np.sort(np.asarray(metric_values(sub, name)) * 1000)
             if ms.size:
@@ -50,10 +69,14 @@ def latency_cdfs(records: Sequence[RequestRecord], path: Path, metrics: Sequence
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return fig
 
 
 def itl_over_time(records: Sequence[RequestRecord], path: Path, title: str = "") -> Path:
+    return _save(itl_over_time_figure(records, title), path)
+
+
+def itl_over_time_figure(records: Sequence[RequestRecord], title: str = "") -> Any:
     """Every inter-chunk gap at the time its chunk arrived: prefill stalls show up as spikes."""
     fig, ax = plt.subplots(figsize=(10, 4))
     cats = sorted({r.category for r in records})
@@ -72,11 +95,15 @@ def itl_over_time(records: Sequence[RequestRecord], path: Path, title: str = "")
     if len(cats) > 1:
         ax.legend(fontsize=8, markerscale=3)
     ax.set_title(title or "ITL over time")
-    return _save(fig, path)
+    return fig
 
 
-def throughput_over_time(records: Sequence[RequestRecord], duration: float, path: Path, title: str = "",
-                         bins: int = 60) -> Path:
+def throughput_over_time(records: Sequence[RequestRecord], duration: float, path: Path, title: str = "") -> Path:
+    return _save(throughput_over_time_figure(records, duration, title), path)
+
+
+def throughput_over_time_figure(records: Sequence[RequestRecord], duration: float, title: str = "",
+                                bins: int = 60) -> Any:
     """Output tokens per second and requests in flight, over the run."""
     width = max(duration / bins, 1e-3)
     edges = np.arange(0, duration + width, width)
@@ -93,10 +120,14 @@ def throughput_over_time(records: Sequence[RequestRecord], duration: float, path
     ax2.step(mids, in_flight, where="mid", color="tab:orange", alpha=0.8, label="requests in flight")
     ax2.set_ylabel("requests in flight", color="tab:orange")
     ax.set_title(title or "throughput over time")
-    return _save(fig, path)
+    return fig
 
 
 def sweep_plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    return _save(sweep_figure(rows, title), path)
+
+
+def sweep_figure(rows: Sequence[dict[str, Any]], title: str = "") -> Any:
     """Goodput (or throughput when no SLO was given) against the offered request rate."""
     finite = [r for r in rows if r["request_rate"] != "inf"]
     xs = [float(r["request_rate"]) for r in finite]
@@ -113,4 +144,4 @@ def sweep_plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> P
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "goodput vs request rate")
-    return _save(fig, path)
+    return fig

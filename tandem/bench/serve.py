@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from tandem.bench.client import EndpointConfig
+from tandem.bench.client import EndpointConfig, RequestRecord
 from tandem.bench.metrics import METRICS, compute_metrics, metrics_by_category, parse_goodput, parse_list
 from tandem.bench.report import (
     detailed_fields,
@@ -160,6 +160,12 @@ def build_result(args: argparse.Namespace, target: Target, run_result: RunResult
 def benchmark(args: argparse.Namespace, target: Target | None = None,
               out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one benchmark as the flags say; returns the result object (and saves/plots as asked)."""
+    return run_benchmark(args, target, out)[0]
+
+
+def run_benchmark(args: argparse.Namespace, target: Target | None = None,
+                  out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """benchmark(), and the per-request records it measured."""
     percentiles, metrics = percentiles_of(args), metrics_of(args)
     goodput = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -192,4 +198,8 @@ def benchmark(args: argparse.Namespace, target: Target | None = None,
                 plots.itl_over_time(run_result.records, paths["itl_over_time"], title),
                 plots.throughput_over_time(run_result.records, run_result.duration, paths["throughput"], title)]
         out("plots: " + ", ".join(str(p) for p in made))
-    return result
+    if args.report:
+        from tandem.bench import html_report
+
+        out(f"report: {html_report.write(html_report.run_report(result, run_result.records), args.report)}")
+    return result, run_result.records

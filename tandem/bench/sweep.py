@@ -12,7 +12,7 @@ from typing import Any
 
 from tandem.bench.metrics import parse_goodput, parse_list, percentile_key
 from tandem.bench.report import save_result
-from tandem.bench.serve import Target, benchmark, percentiles_of, resolve_target
+from tandem.bench.serve import Target, percentiles_of, resolve_target, run_benchmark
 
 # The columns a sweep keeps per rate (the full results are saved per rate with --save-result).
 SWEEP_FIELDS = ("request_rate", "completed", "failed", "duration", "request_throughput", "request_goodput",
@@ -55,6 +55,8 @@ def sweep(args: argparse.Namespace, target: Target | None = None,
     stem = name[:-5] if name.endswith(".json") else name
     directory = Path(args.result_dir or ".")
     rows = []
+    results: list[dict[str, Any]] = []
+    kept: list[list] = []
     for i, rate in enumerate(rates):
         out(f"--- request rate {rate:g} req/s")
         run_args = copy.copy(args)
@@ -62,7 +64,11 @@ def sweep(args: argparse.Namespace, target: Target | None = None,
         # Same shape, fresh prompts: one run must not find its prompts in the prefix cache another left.
         run_args.seed = args.seed + i
         run_args.result_filename = f"{stem}-rate{rate:g}.json"
-        rows.append(_row(benchmark(run_args, target, out), top))
+        run_args.report = None  # one report for the sweep, below
+        result, records = run_benchmark(run_args, target, out)
+        results.append(result)
+        kept.append(records)
+        rows.append(_row(result, top))
     summary = {"date": date, "label": args.label, "backend": target.backend, "model_id": target.endpoint.model,
                "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
                "max_concurrency": args.max_concurrency, "goodput": parse_goodput(args.goodput) or None, "runs": rows}
@@ -73,6 +79,12 @@ def sweep(args: argparse.Namespace, target: Target | None = None,
     title = f"{target.endpoint.model}: goodput vs rate"
     plot = plots.sweep_plot(rows, directory / f"{stem}.png", title)
     out(f"saved {directory / f'{stem}.json'} and {plot}")
+    if args.report:
+        from tandem.bench import html_report
+
+        page = html_report.compare_report(results, [f"{r:g} req/s" for r in rates], kept,
+                                          [("goodput vs rate", plots.png(plots.sweep_figure(rows, title)))])
+        out(f"report: {html_report.write(page, args.report)}")
     if any(math.isinf(r) for r in rates) and len(rates) == 1:
         out("note: a sweep of only rate=inf has no rate axis to plot")
     return summary

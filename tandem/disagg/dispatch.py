@@ -201,6 +201,7 @@ class Dispatcher:
             return False
         assert isinstance(done, Prefilled)
         self.counters.disaggregated += 1
+        self.counters.count_transfer(prefill.worker_id, decode.worker_id, done.result.num_bytes if done.result else 0)
         self.assign(flight, None, decode)
         first = first_token_output(flight.request, done.output, self.info.max_model_len if self.info else 1 << 62)
         if first.finished:  # the first token ended it: the reservation is not needed

@@ -27,6 +27,7 @@ class DisaggMetrics:
 
         self.up = gauge("worker_up", "1 while the worker heart-beats, 0 once it was declared dead.")
         self.used_blocks = gauge("worker_kv_cache_used_blocks", "KV blocks in use on the worker.")
+        self.usage = gauge("worker_kv_cache_usage_perc", "Fraction of the worker's KV blocks in use (1 = full).")
         self.running = gauge("worker_num_requests_running", "Requests running on the worker.")
         self.waiting = gauge("worker_num_requests_waiting", "Requests waiting on the worker.")
         self.bytes_sent = counter("kv_transfer_sent_bytes", "KV bytes a prefill worker shipped.")
@@ -72,8 +73,11 @@ class DisaggMetrics:
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
-        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts, self.prefill_free):
+        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts, self.prefill_free, self.reserve_wait,
+                       self.forecast):
             metric.labels(model_name)  # exported at zero from the start
+        for src, dst in (("prefill", "decode"), ("decode", "prefill")):
+            self.planner_flips.labels(model_name, src, dst)
 
     def _inc(self, counter: Counter, labels: tuple, value: float) -> None:
         """Counters mirror running totals reported elsewhere: add what is new since the last look."""
@@ -93,6 +97,7 @@ class DisaggMetrics:
                 continue
             core, t = worker.stats.core, worker.stats.transfer
             self.used_blocks.labels(*labels).set(core.num_used_blocks if worker.alive else 0)
+            self.usage.labels(*labels).set(core.kv_usage if worker.alive else 0.0)
             self.running.labels(*labels).set(core.num_running if worker.alive else 0)
             self.waiting.labels(*labels).set(core.num_waiting if worker.alive else 0)
             for counter, value in ((self.bytes_sent, t.bytes_sent), (self.bytes_received, t.bytes_received),

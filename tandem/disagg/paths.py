@@ -30,16 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.disagg.latency import Speed
+from tandem.slo import Slo
 
 PATH_POLICIES = ("slo", "disaggregated")
 ASSUMED_OUTPUT_TOKENS = 256  # a request without max_tokens: how far its prefill's stall is spread
 TRANSFER_MARGIN = 0.1  # of an SLO: the headroom a transfer must gain over running on one worker
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    tpot_s: float
 
 
 @dataclass

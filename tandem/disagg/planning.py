@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from tandem.disagg.messages import ROLES
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 300.0
+ACTIONS_KEPT = 100
 
 
 class PlannerLoop:
@@ -35,6 +37,7 @@ class PlannerLoop:
         self.settings = settings
         self.planner = Planner(settings)
         self.flips: dict[tuple[str, str], int] = {}  # (from role, to role) -> flips carried out
+        self.actions: deque[dict] = deque(maxlen=ACTIONS_KEPT)  # what it decided, for the dashboard's timeline
 
     def observe(self, ttft_s: float, tpot_s: float | None) -> None:
         self.planner.observe(ttft_s, tpot_s)
@@ -58,21 +61,29 @@ class PlannerLoop:
             action = self.decide()
             if action is not None:
                 log.warning("planner: %s -> %s: %s", action.from_role, action.to_role, action.reason)
+                record = {"t": time.time(), "from_role": action.from_role, "to_role": action.to_role,
+                          "reason": action.reason, "outcome": "started"}
+                self.actions.append(record)
                 try:
-                    await self.flip(action)
+                    record["outcome"] = "done" if await self.flip(action) else "not carried out"
                 except Exception:  # the deployment keeps serving with the split it has
+                    record["outcome"] = "failed"
                     log.exception("planner: the flip failed")
 
-    async def flip(self, action: PlannerAction) -> None:
+    def view(self) -> dict:
+        return {"enabled": True, "interval_s": self.settings.interval_s,
+                "forecast_prompt_tok_s": self.planner.last_forecast_tok_s, "actions": list(self.actions)}
+
+    async def flip(self, action: PlannerAction) -> bool:
         """Carry out an action: a role change (drain, stop, start the other role on its cores), or on an
-        elastic launcher a worker more (empty from_role) or fewer (empty to_role)."""
+        elastic launcher a worker more (empty from_role) or fewer (empty to_role). False: not done."""
         launch = self.engine.launch
         if launch is None:
-            return
+            return False
         if action.from_role:
             cores = await self._retire(action.from_role)
             if cores is None:
-                return
+                return False
         else:
             cores = launch.new_slot()
         if action.to_role:
@@ -83,6 +94,7 @@ class PlannerLoop:
             log.warning("planner: %s starts on cores %s", new_id, cores)
         key = (action.from_role, action.to_role)
         self.flips[key] = self.flips.get(key, 0) + 1
+        return True
 
     async def _retire(self, role: str) -> list[int] | None:
         """Drain the least-loaded local worker of the role and stop it; its cores (None: none could go)."""

@@ -55,11 +55,12 @@ class WorkerActor:
             log_level: str, kv_host: str | None) -> int:
         import argparse
 
+        from tandem import logs
         from tandem.cli import add_engine_args, engine_kwargs
         from tandem.config import EngineConfig
         from tandem.disagg.worker import run_worker
 
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.setup(log_level, process=worker_id)
         parser = argparse.ArgumentParser()
         add_engine_args(parser)
         args = parser.parse_args(engine_argv)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -40,7 +41,9 @@ from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
+from tandem.logs import startup
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
+from tandem.serve.cluster_view import host_name, worker_entry
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -102,9 +105,12 @@ class DisaggEngine(EngineClient):
         else:
             self._sock.bind(bind)
             self.address = bind
-        log.warning("router listening on %s for workers", self.address)
+        startup.info("router listening on %s for workers", self.address)
         if self.launch is not None:
             self._procs = list(self.launch(self.address))
+            startup.info("started %d local workers; waiting for them to join", len(self._procs))
+        else:
+            startup.info("waiting for a worker to join (tandem worker --router %s)", self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         if self.planning is not None:
             self._tasks.append(asyncio.create_task(self.planning.run()))
@@ -153,6 +159,30 @@ class DisaggEngine(EngineClient):
     @property
     def healthy(self) -> bool:
         return self.dead is None and bool(self.registry.live())
+
+    def cluster(self) -> dict[str, Any]:
+        c = self.counters
+        workers = []
+        for w in self.registry.workers.values():
+            if w.draining and not w.alive:
+                continue  # retired by the planner: its cores went to another worker
+            state = "dead" if not w.alive else ("draining" if w.draining else "up")
+            t = w.stats.transfer if w.stats is not None else None
+            blocks = c.prompt_blocks.get(w.worker_id, 0)
+            workers.append(worker_entry(
+                w.worker_id, w.role, state, w.info.pid, w.info.host, w.info.cores,
+                w.stats.core if w.stats is not None else None, in_flight=len(w.inflight),
+                requests_routed=c.requests.get(w.worker_id, 0),
+                routed_overlap_rate=c.overlap_blocks.get(w.worker_id, 0) / blocks if blocks else None,
+                kv_bytes_sent=t.bytes_sent if t else 0, kv_bytes_received=t.bytes_received if t else 0))
+        router = {"id": "router", "address": self.address, "pid": os.getpid(), "host": host_name(),
+                  "in_flight": len(self.flights), "routed": dict(c.routed), "retries": c.retries,
+                  "fallbacks": c.fallbacks, "worker_deaths": c.worker_deaths, "restarts": self.restarter.count}
+        transfers = [{"from": src, "to": dst, "count": n, "bytes": nbytes}
+                     for (src, dst), (n, nbytes) in sorted(c.transfers.items())]
+        planner = self.planning.view() if self.planning is not None else None
+        return {"mode": "disaggregated", "router": router, "workers": workers, "transfers": transfers,
+                "planner": planner}
 
     def capacity(self) -> int:
         """Sequences the deployment runs at once: its decode workers' (every live worker's without)."""
@@ -226,8 +256,9 @@ class DisaggEngine(EngineClient):
             sched = self.config.scheduler
             self._make_inputs(sched.max_num_batched_tokens, sched.enable_chunked_prefill)
             self.dispatch.store = StoreView.open(self.config, info.core)
-        log.warning("worker %s (%s, pid %d on %s, cores %s) joined", info.worker_id, info.role, info.pid, info.host,
-                    info.cores)
+        startup.info("worker %s joined: %s, pid %d on %s, cores %s, %d KV blocks", info.worker_id, info.role, info.pid,
+                     info.host, info.cores if info.cores else "any", info.core.num_blocks,
+                     extra={"event": "worker_joined", "worker": info.worker_id, "role": info.role})
 
     async def _on_outputs(self, worker: WorkerHandle, msg: StepOutputs) -> None:
         self.registry.report(worker, msg.stats)

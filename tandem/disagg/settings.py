@@ -44,12 +44,17 @@ class RouterCounters:
     prompt_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> full blocks of routed prompts
     requests: dict[str, int] = field(default_factory=dict)  # worker id -> requests routed to it
     paths: dict[str, PathRecord] = field(default_factory=dict)
+    transfers: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (prefill, decode) -> n, bytes
 
     def count_route(self, path: str, worker_id: str, overlap: int, num_blocks: int) -> None:
         self.routed[path] = self.routed.get(path, 0) + 1
         self.overlap_blocks[worker_id] = self.overlap_blocks.get(worker_id, 0) + overlap
         self.prompt_blocks[worker_id] = self.prompt_blocks.get(worker_id, 0) + num_blocks
         self.requests[worker_id] = self.requests.get(worker_id, 0) + 1
+
+    def count_transfer(self, prefill_id: str, decode_id: str, num_bytes: int) -> None:
+        n, total = self.transfers.get((prefill_id, decode_id), (0, 0))
+        self.transfers[(prefill_id, decode_id)] = (n + 1, total + num_bytes)
 
     def path(self, name: str) -> PathRecord:
         return self.paths.setdefault(name, PathRecord())

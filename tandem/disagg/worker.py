@@ -49,6 +49,7 @@ from tandem.engine.kv_connector import KVConnector
 from tandem.engine.messages import AbortRequests, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
+from tandem.logs import startup
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ def run_worker(config: EngineConfig, role: str, router_addr: str, secret: bytes,
     worker.parent_pid = parent_pid
     try:
         worker.register()
+        startup.info("%s worker %s ready; registered with the router at %s", role, worker_id, router_addr)
         worker.run()
     finally:
         worker.close()

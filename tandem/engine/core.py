@@ -19,10 +19,11 @@ from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTim
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tandem.kv.layout import engine_kv_layout
+from tandem.logs import startup
 from tandem.model.arch import ArchConfig
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.llama import LlamaForCausalLM
-from tandem.ops.extension import load_extension
+from tandem.ops.extension import extension_error, extension_isa, load_extension
 from tandem.spec.decoder import SpecDecoder
 from tandem.spec.profile import profile_step_cost, profiled_counts
 
@@ -82,7 +83,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
     ident = f"{fingerprint & (2**64 - 1):016x}-{block_nbytes}"
     store = StoreConnector(TieredStore(open_tiers(settings, block_nbytes, ident), block_nbytes),
                            config.cache.block_size)
-    log.info("KV store: %s", ", ".join(t.name for t in store.store.tiers))
+    startup.info("KV store: %s", ", ".join(t.name for t in store.store.tiers))
     return store if connector is None else MultiConnector([connector, store])
 
 
@@ -91,7 +92,9 @@ class EngineCore:
                  connector: KVConnector | None = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":
-            load_extension()  # load (or, if set-up was skipped, build) now rather than on the first step
+            # Loaded (or, if set-up was skipped, built) now rather than on the first step.
+            startup.info("kernels: %s; %d threads", f"compiled ({extension_isa()})" if load_extension() else
+                         f"PyTorch fallbacks ({extension_error() or 'disabled'})", config.parallel.num_threads)
         self.config = config
         num_blocks = num_kv_blocks(config, model.cfg)
         self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
@@ -119,9 +122,10 @@ class EngineCore:
         # Time and count of steps that decoded: the time between two tokens of a running request.
         self.decode_busy_s = 0.0
         self.num_decode_steps = 0
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s, %d bytes a token), max_model_len %d", num_blocks,
-                 config.cache.block_size, self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
-                 layout.name, layout.bytes_per_token(model.cfg), self.max_model_len)
+        startup.info("KV pool: %.2f GiB = %d tokens (%d blocks of %d; %s, %d bytes a token), max_model_len %d",
+                     self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
+                     num_blocks * config.cache.block_size, num_blocks, config.cache.block_size, layout.name,
+                     layout.bytes_per_token(model.cfg), self.max_model_len)
 
     def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
         spec = config.speculative

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tandem.cache import cache_dir
 from tandem.config import QUANTIZATION_CHOICES
+from tandem.logs import startup
 from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
 from tandem.model.fingerprint import weights_fingerprint
+from tandem.model.gguf_index import GgufError, IndexedTensor, read_gguf
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weight_formats
 from tandem.model.llama import LlamaForCausalLM
@@ -61,7 +64,8 @@ def default_model_path() -> Path:
 def resolve_model_path(model: str | None) -> Path:
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (MODEL: a GGUF file or a Hugging Face "
+                             "model directory; leave it out for the default model)")
     return path
 
 
@@ -98,21 +102,11 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
-    import gguf
-
+def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
     try:
-        reader = gguf.GGUFReader(path)
-        meta = {}
-        for key, field in reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                       "tokenizer.ggml.token_type"):
-                meta[key] = field  # large arrays are decoded only where needed
-            else:
-                meta[key] = field.contents()
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ModelLoadError(f"{path} is not a valid GGUF file: {e}") from e
-    return reader, meta
+        return read_gguf(path)  # the metadata and tensor table come from the cache after the first read
+    except GgufError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchConfig, dict[str, Weight]]:
@@ -120,13 +114,13 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
     else, and everything when False, is dequantized to float32."""
     import gguf
 
-    reader, meta = _read_gguf(path)
-    names = {t.name for t in reader.tensors}
+    tensors, meta = _read_gguf(path)
+    names = {t.name for t in tensors}
     arch = arch_from_gguf_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
     weights: dict[str, Weight] = {}
     with _progress() as progress:
-        task = progress.add_task(path.name, total=len(reader.tensors))
-        for t in reader.tensors:
+        task = progress.add_task(path.name, total=len(tensors))
+        for t in tensors:
             fmt = native_format(t.tensor_type) if keep_quantized and len(t.data.shape) == 2 else None
             try:  # quantized rows come as uint8 [rows, blocks * block bytes]: row permutations apply to them
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
@@ -228,6 +222,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     quantization = resolve_quantization(quantization, dtype, torch.device(device))
     path = resolve_model_path(model)
+    t0 = time.perf_counter()
+    startup.info("loading %s (%s, weights %s)", path, str(dtype).removeprefix("torch."), quantization)
     if path.is_dir():
         arch, weights = load_hf_weights(path)
     elif path.suffix == ".gguf":
@@ -247,5 +243,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
-    log.info("%s: %.1f MiB of weights (%s)", name, weight_bytes(net) / 2**20, ", ".join(weight_formats(net)))
+    startup.info("loaded %s in %.1f s: %d layers, %.1f MiB of weights as held (%s)", name, time.perf_counter() - t0,
+                 arch.num_layers, weight_bytes(net) / 2**20, ", ".join(weight_formats(net)))
     return LoadedModel(net, tokenizer, arch, path, name)

@@ -20,8 +20,10 @@ import tandem
 from tandem.config import EngineConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.serve import cluster_view
 from tandem.serve.admission import AdmissionSettings, check_admission
 from tandem.serve.async_engine import AsyncEngine, EngineClient
+from tandem.serve.dashboard import mount_dashboard
 from tandem.serve.errors import APIError, bad_request, install_error_handlers
 from tandem.serve.metrics import RequestTimer, ServerMetrics
 from tandem.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -36,6 +38,7 @@ from tandem.serve.protocol import (
 )
 from tandem.serve.template_sandbox import TemplateSandbox
 from tandem.serve.text_worker import TextWorker
+from tandem.slo import Slo
 
 
 @dataclass
@@ -54,6 +57,7 @@ class ServerSettings:
     tenant_header: str | None = None
     tenant_weights: dict[str, float] = field(default_factory=dict)  # API key or header value -> share
     metrics_require_api_key: bool = False
+    slo: Slo | None = None  # what the dashboard's goodput and SLO lines judge by
 
 
 @dataclass
@@ -88,14 +92,25 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         await engine.start()
         assert engine.info is not None
         state["model"] = settings.served_model_name or engine.info.model_name
-        state["metrics"] = ServerMetrics(state["model"])
+        state["metrics"] = ServerMetrics(state["model"], settings.slo)
+        state["started_at"] = time.time()
         engine.attach_metrics(state["metrics"])
         if text is not None:
             await text.start()
+        sampler = asyncio.create_task(sample_gauges(state["metrics"]))
         yield
+        sampler.cancel()
         if text is not None:
             text.close()
         await engine.shutdown()
+
+    async def sample_gauges(metrics: ServerMetrics) -> None:
+        """The engine's gauges into the dashboard's time series, whether or not anyone is looking."""
+        while True:
+            s = engine.stats
+            if s is not None:
+                metrics.live.gauges(running=s.num_running, waiting=s.num_waiting, kv_usage=s.kv_usage)
+            await asyncio.sleep(1.0)
 
     app = FastAPI(title="Tandem", version=tandem.__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.engine = engine
@@ -293,6 +308,13 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state["metrics"].render(engine.stats, engine.info), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/cluster")
+    async def cluster() -> dict[str, Any]:
+        """The deployment, its load and the last minutes' latencies (README "Dashboard")."""
+        return cluster_view.snapshot(engine, state["metrics"], state["model"], settings.slo, state["started_at"])
+
+    mount_dashboard(app)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

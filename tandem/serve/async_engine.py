@@ -40,6 +40,7 @@ from tandem.engine.request import Request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
+from tandem.serve.cluster_view import host_name, process_cores, worker_entry
 from tandem.serve.core_proc import run_engine_core
 from tandem.serve.metrics import ServerMetrics
 
@@ -99,6 +100,11 @@ class EngineClient:
         raise NotImplementedError
 
     async def _abort_in_engine(self, child_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def cluster(self) -> dict[str, Any]:
+        """The deployment as the dashboard draws it: mode, router, workers, transfers, planner
+        (serve/cluster_view.py adds the rest of GET /v1/cluster)."""
         raise NotImplementedError
 
     def attach_metrics(self, metrics: ServerMetrics) -> None:  # noqa: B027 (engines with more to say override)
@@ -296,6 +302,12 @@ class AsyncEngine(EngineClient):
     @property
     def healthy(self) -> bool:
         return self.dead is None and self._proc is not None and self._proc.is_alive()
+
+    def cluster(self) -> dict[str, Any]:
+        pid = self._proc.pid if self._proc is not None else None
+        state = "up" if self.healthy else ("starting" if self.dead is None else "dead")
+        core = worker_entry("engine-core", "colocated", state, pid, host_name(), process_cores(pid), self.stats)
+        return {"mode": "colocated", "router": None, "workers": [core], "transfers": [], "planner": None}
 
     # -- requests -----------------------------------------------------------------------------
     def _submit(self, requests: list[Request]) -> None:

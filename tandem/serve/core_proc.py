@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import zmq
 
+from tandem import logs
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.messages import KVEvents, Ready, StartupFailed
@@ -51,7 +53,7 @@ class CoreService(EngineService):
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING",
                     kv_events_endpoint: str | None = None) -> None:
     """Process entry point."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core: %(message)s")
+    logs.setup(log_level, process="core")
     # The parent handles SIGINT/SIGTERM and tells us to shut down; don't die half-way through a step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -69,9 +71,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         from tandem.engine.core_report import core_info
         from tandem.model.loader import load_model
 
+        t0 = time.perf_counter()
         loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         core = EngineCore(config, loaded.model)
         out.send_pyobj(Ready(core_info(core, loaded)))
+        logs.startup.info("engine core ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # report why we could not start, then exit non-zero
         out.send_pyobj(StartupFailed(f"{type(e).__name__}: {e}"))
         out.close(linger=2000)

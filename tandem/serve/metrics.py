@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from tandem.engine.core_report import CoreInfo, CoreStats
+from tandem.serve.live_stats import LiveStats
 from tandem.serve.store_metrics import StoreMetrics
+from tandem.slo import Slo
 
 disable_created_metrics()  # as vLLM does: the *_created series only add noise
 
@@ -27,7 +29,7 @@ class RequestTimer:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, slo: Slo | None = None) -> None:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -53,6 +55,8 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self.rejected = counter("request_rejected", "Requests refused (queue full).")
+        self.goodput = counter("request_goodput", "Finished requests that met both SLOs (--slo-ttft-ms, "
+                               "--slo-tpot-ms): their rate is the goodput.")
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output chunks.")
         self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first.")
@@ -71,10 +75,13 @@ class ServerMetrics:
         self._last: CoreStats | None = None
         self.store = StoreMetrics(r, model_name)
         self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
+        self.slo = slo
+        self.live = LiveStats(slo)  # the last minutes, for the dashboard
         # Export every series from the start (at zero) rather than only once it first moves.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.rejected, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                       self.prefix_hits, self.rejected, self.goodput, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted):
             metric.labels(model_name)
 
     def observe_core(self, s: CoreStats | None) -> None:
@@ -115,6 +122,8 @@ class ServerMetrics:
             self.ttft.labels(self.model_name).observe(now - timer.arrival)
         elif timer.last_token is not None and num_new_tokens:
             self.itl.labels(self.model_name).observe(now - timer.last_token)
+            self.live.token_gap(now - timer.last_token)
+        self.live.tokens(num_new_tokens)
         timer.last_token = now
         timer.num_tokens += num_new_tokens
 
@@ -125,8 +134,15 @@ class ServerMetrics:
         self.e2e.labels(m).observe(now - timer.arrival)
         if queue_time is not None:
             self.queue.labels(m).observe(max(queue_time, 0.0))
-        if timer.first_token is not None and timer.num_tokens > 1:
-            self.tpot.labels(m).observe((now - timer.first_token) / (timer.num_tokens - 1))
+        tpot = (now - timer.first_token) / (timer.num_tokens - 1) \
+            if timer.first_token is not None and timer.num_tokens > 1 else None
+        if tpot is not None:
+            self.tpot.labels(m).observe(tpot)
+        ttft = timer.first_token - timer.arrival if timer.first_token is not None else None
+        ok = reason not in (None, "abort")
+        if ok and (self.slo is None or self.slo.met(ttft, tpot)):
+            self.goodput.labels(m).inc()
+        self.live.finished(ttft, tpot, ok)
 
     def observe_info(self, info: CoreInfo | None) -> None:
         if info is not None and info.weight_bytes:

@@ -121,4 +121,8 @@ def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         save_result(result, paths["result"])
         save_records(res.records, paths["records"])
         out(f"saved {paths['result']} and {paths['records']}")
+    if args.report:
+        from tandem.bench import html_report
+
+        out(f"report: {html_report.write(html_report.run_report(result, res.records), args.report)}")
     return result

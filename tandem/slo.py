@@ -1,0 +1,15 @@
+"""The latency SLOs a request is judged by: time to first token and time per output token after it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Both met (a request of one token has no TPOT to miss); a request with no first token failed."""
+        return ttft_s is not None and ttft_s <= self.ttft_s and (tpot_s is None or tpot_s <= self.tpot_s)

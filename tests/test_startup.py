@@ -1,0 +1,80 @@
+"""What `tandem serve` says while it starts, in JSON lines (`--log-format json`), and the start-up
+errors that name the flag or file to fix, before any loading."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from server_utils import free_port
+
+from tandem.logs import JsonFormatter
+
+SMALL = ("--dtype", "float32", "--kv-cache-memory", "0.25")
+
+
+def serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_json_log_lines_carry_the_event_fields() -> None:
+    record = logging.LogRecord("tandem.startup", logging.INFO, __file__, 1, "worker %s joined", ("decode-0",), None)
+    record.event, record.role = "worker_joined", "decode"
+    line = json.loads(JsonFormatter("router").format(record))
+    assert line["msg"] == "worker decode-0 joined" and line["level"] == "info" and line["process"] == "router"
+    assert (line["event"], line["role"]) == ("worker_joined", "decode")
+    assert line["ts"].endswith("+00:00")
+
+
+def test_serve_reports_its_progress_and_where_it_serves() -> None:
+    port = free_port()
+    proc = serve("--port", str(port), "--log-format", "json", *SMALL)
+    lines: list[dict] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            raw = proc.stderr.readline()
+            if not raw:
+                break
+            lines.append(json.loads(raw))  # every line is one JSON object, the child processes' too
+            if lines[-1].get("event") == "serving":
+                break
+        assert lines and lines[-1].get("event") == "serving", lines
+        messages = [line["msg"] for line in lines]
+        processes = {line["process"] for line in lines}
+        assert {"api", "core"} <= processes
+        assert any(m.startswith("loading ") for m in messages)
+        assert any(m.startswith("kernels: ") for m in messages)
+        assert any(m.startswith("KV pool: 0.25 GiB = ") for m in messages)
+        assert any(m.startswith("engine core ready") for m in messages)
+        urls = lines[-1]["urls"]
+        assert urls["dashboard"] == f"http://127.0.0.1:{port}/dashboard"
+        assert "Ctrl-C" in lines[-1]["msg"]
+        # Announced only once it answers.
+        assert httpx.get(urls["health"], timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_startup_errors_name_what_to_fix() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        proc = serve("--port", str(port), *SMALL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "--port" in err and f"port {port}" in err, err
+        assert time.monotonic() - t0 < 30  # refused before a model load, not after
+
+    proc = serve("--port", str(free_port()), "/nonexistent/model.gguf", *SMALL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "/nonexistent/model.gguf" in err and "MODEL" in err, err
+    assert "Traceback" not in err
