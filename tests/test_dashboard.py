@@ -49,7 +49,7 @@ def test_live_stats_buckets_percentiles_and_goodput() -> None:
     now = [1000.0]
     live = LiveStats(Slo(ttft_s=0.5, tpot_s=0.05), bucket_s=5.0, window_s=20.0, clock=lambda: now[0])
     for i in range(10):  # bucket [1000, 1005): ten requests, TTFT 0.1..1.0 s, TPOT 40 ms
-        live.finished(0.1 * (i + 1), 0.04, ok=True)
+        live.finished(0.1 * (i + 1), 0.04, ok=True, queue_s=0.01 * (i + 1))
         live.tokens(3)
     live.finished(None, None, ok=False)
     now[0] = 1006.0  # the next bucket: one slow-TPOT request and some token gaps
@@ -61,7 +61,7 @@ def test_live_stats_buckets_percentiles_and_goodput() -> None:
     first, second = live.series()
     assert (first["t"], second["t"]) == (1000.0, 1005.0)
     assert (first["finished"], first["good"], first["failed"]) == (10, 5, 1)  # TTFT <= 0.5 s: five of ten
-    assert first["ttft_ms"]["p50"] == pytest.approx(550.0)
+    assert first["ttft_ms"]["p50"] == pytest.approx(550.0) and first["queue_ms"]["p50"] == pytest.approx(55.0)
     assert first["output_tok_s"] == pytest.approx(30 / 5.0)
     assert (second["good"], second["running"], second["kv_usage"]) == (0, 4, 0.5)
     assert second["itl_ms"]["p50"] == pytest.approx(20.0)
@@ -96,6 +96,7 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
         after = cluster(server)
         assert after["window"]["finished"] == 3 and after["window"]["good"] == 3
         assert after["window"]["ttft_ms"]["p50"] > 0 and after["window"]["tpot_ms"]["p99"] > 0
+        assert 0 <= after["window"]["queue_ms"]["p50"] <= after["window"]["ttft_ms"]["p50"]
         assert after["totals"]["generation_tokens"] - before["totals"]["generation_tokens"] == 18
         assert sum(b["finished"] for b in after["series"]) == 3
 
@@ -129,7 +130,7 @@ def test_dashboard_renders_the_deployment_and_updates_under_load(deployment: Ser
         assert roles == [("decode", "up"), ("prefill", "up")]
         assert driver.find_elements(By.CSS_SELECTOR, "#map g.router")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#workers tbody tr")) == 2
-        assert len(driver.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 6  # the uPlot charts drew
+        assert len(driver.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 7  # the uPlot charts drew
         assert not driver.find_elements(By.CSS_SELECTOR, "#map path.transfer")
         tokens_before = int(driver.find_element(By.ID, "stat-generation-tokens").text)
 

@@ -27,6 +27,7 @@ class _Bucket:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)  # arrival to first scheduled: TTFT's wait, not its work
     finished: int = 0
     good: int = 0
     failed: int = 0
@@ -44,6 +45,7 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
 
 def _summary(b: _Bucket, width_s: float) -> dict:
     return {"t": b.start, "ttft_ms": _pcts(b.ttft), "tpot_ms": _pcts(b.tpot), "itl_ms": _pcts(b.itl),
+            "queue_ms": _pcts(b.queue),
             "finished": b.finished, "good": b.good, "failed": b.failed,
             "output_tok_s": b.output_tokens / width_s, "goodput_rps": b.good / width_s, **b.gauges}
 
@@ -72,12 +74,14 @@ class LiveStats:
     def tokens(self, n: int) -> None:
         self._current().output_tokens += n
 
-    def finished(self, ttft_s: float | None, tpot_s: float | None, ok: bool) -> None:
+    def finished(self, ttft_s: float | None, tpot_s: float | None, ok: bool, queue_s: float | None = None) -> None:
         b = self._current()
         if not ok:
             b.failed += 1
             return
         b.finished += 1
+        if queue_s is not None:
+            b.queue.append(queue_s)
         if ttft_s is not None:
             b.ttft.append(ttft_s)
         if tpot_s is not None:
@@ -111,6 +115,7 @@ class LiveStats:
                 "ttft_ms": _pcts([v for b in recent for v in b.ttft]),
                 "tpot_ms": _pcts([v for b in recent for v in b.tpot]),
                 "itl_ms": _pcts([v for b in recent for v in b.itl]),
+                "queue_ms": _pcts([v for b in recent for v in b.queue]),
                 "finished": finished, "good": good, "failed": sum(b.failed for b in recent),
                 "request_rps": finished / span, "goodput_rps": good / span,
                 "output_tok_s": sum(b.output_tokens for b in recent) / span,

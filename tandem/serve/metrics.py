@@ -142,7 +142,7 @@ class ServerMetrics:
         ok = reason not in (None, "abort")
         if ok and (self.slo is None or self.slo.met(ttft, tpot)):
             self.goodput.labels(m).inc()
-        self.live.finished(ttft, tpot, ok)
+        self.live.finished(ttft, tpot, ok, max(queue_time, 0.0) if queue_time is not None else None)
 
     def observe_info(self, info: CoreInfo | None) -> None:
         if info is not None and info.weight_bytes:

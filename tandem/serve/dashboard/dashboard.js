@@ -256,6 +256,10 @@ function drawCharts(data) {
   [{}, { scale: "tok" }, { scale: "req", side: 1, grid: { show: false } }]);
   chart("chart-requests", [{ label: "running", stroke: "#13a37a" }, { label: "waiting", stroke: "#d99a1e" }],
     [t, col((b) => b.running ?? null), col((b) => b.waiting ?? null)]);
+  // TTFT = waiting to be scheduled + computing the prompt (and, disaggregated, moving its KV).
+  chart("chart-ttft-parts", [{ label: "queued", stroke: "#d99a1e", fill: "rgba(217,154,30,.15)" },
+    { label: "TTFT", stroke: "#2f6fdf" }],
+  [t, col((b) => b.queue_ms.p50), col((b) => b.ttft_ms.p50)]);
   chart("chart-kv", [{ label: "KV pool", stroke: "#8a56d6", fill: "rgba(138,86,214,.12)" }],
     [t, col((b) => (b.kv_usage === undefined ? null : 100 * b.kv_usage))]);
 }
