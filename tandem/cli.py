@@ -144,10 +144,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.logs import startup
     from tandem.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
     from tandem.serve.api import ServerSettings, build_app
-    from tandem.serve.startup import AnnouncingServer, check_port
+    from tandem.serve.startup import AnnouncingServer, check_memory, check_port
     from tandem.slo import Slo
 
     check_port(args.host, args.port)  # before a minute of loading, not after
+    # The KV pools this host will hold: its local workers', or the one core's (a bare router holds none).
+    pools = 0 if args.ray else (args.prefill_workers + args.decode_workers + args.workers or int(not args.router_bind))
+    if args.num_blocks is None and pools:
+        check_memory(args.kv_cache_memory, pools)
     # This process parses HTTP and tokenizes; the model's threads belong to the core process.
     torch.set_num_threads(1)
     keys = list(args.api_key or [])

@@ -142,7 +142,7 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            value = json_object(value, "speculative_config")
+            value = json_object(value, "speculative_config (--speculative-config)")
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object")
         known = {f.name for f in fields(cls)}

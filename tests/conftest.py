@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,10 +74,16 @@ def passages() -> list[str]:
 @pytest.fixture(scope="session")
 def hf_reference(default_model_path: Path):  # noqa: ANN201
     """Hugging Face transformers on the same GGUF weights (its own dequantizer), float32."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
-                                                 dtype=torch.float32)
+    # Speed only (its numbers are untouched): transformers reads the file twice (config, then weights)
+    # and rebuilds gguf-py's tensor-name map per tensor; both are pure functions of their arguments.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
+                                                     dtype=torch.float32)
     return model.eval()
 
 

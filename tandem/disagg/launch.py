@@ -25,11 +25,18 @@ def parse_cores(spec: str) -> list[int]:
 
 def assign_cores(num_workers: int, specs: list[str] | None) -> list[list[int]]:
     """Explicit core sets per worker, or one core each, round-robin over the cores we may use."""
+    usable = sorted(os.sched_getaffinity(0))
     if specs:
         if len(specs) != num_workers:
             raise ValueError(f"--worker-cores lists {len(specs)} core sets for {num_workers} workers")
-        return [parse_cores(s) for s in specs]
-    usable = sorted(os.sched_getaffinity(0))
+        try:
+            sets = [parse_cores(s) for s in specs]
+        except ValueError:
+            raise ValueError(f"--worker-cores {' '.join(specs)}: give core ids like 0, 0,1 or 2-3") from None
+        missing = sorted({c for s in sets for c in s} - set(usable))
+        if missing:
+            raise ValueError(f"--worker-cores: cores {missing} are not among this process's {usable}")
+        return sets
     return [[usable[i % len(usable)]] for i in range(num_workers)]
 
 

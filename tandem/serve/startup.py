@@ -33,6 +33,20 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"--host {host}: {e.strerror}") from None
 
 
+def check_memory(kv_cache_memory_gib: float, num_engines: int) -> None:
+    """Each engine commits its KV pool at start: refuse a budget the machine cannot hold, by flag."""
+    try:
+        with open("/proc/meminfo") as f:
+            available_kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return  # not Linux, or no figure: the engine reports its own failure
+    need, have = kv_cache_memory_gib * num_engines, available_kib / 2**20
+    if need > have:
+        each = f" ({num_engines} engines x {kv_cache_memory_gib:g} GiB)" if num_engines > 1 else ""
+        raise ValueError(f"--kv-cache-memory {kv_cache_memory_gib:g}: the KV pools need {need:.1f} GiB{each}, "
+                         f"more than the {have:.1f} GiB this machine has available; lower it (or use --num-blocks)")
+
+
 def urls(host: str, port: int) -> dict[str, str]:
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
     base = f"http://{shown}:{port}"
