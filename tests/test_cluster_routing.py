@@ -97,6 +97,11 @@ def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_mis
         assert metric(s, "router_routed", path="disaggregated") == len(texts)
         time.sleep(2)
         assert metric(s, "router_planner_flips", **flips) == 1  # the dwell holds
+        # The dashboard's view of it: the action on the planner's timeline, the new worker in the map.
+        view = httpx.get(f"{s.url}/v1/cluster", timeout=10).json()
+        [action] = view["planner"]["actions"]
+        assert (action["from_role"], action["to_role"], action["outcome"]) == ("colocated", "decode", "done")
+        assert sorted(w["role"] for w in view["workers"] if w["state"] == "up") == ["colocated", "decode"]
         assert metric(s, "router_worker_deaths") == 0 and metric(s, "router_colocated_fallbacks") == 0
         # Every request measured against its prediction, by the path it took.
         measured = sum(metric_or_zero(s, "router_measured_ttft_seconds_count", path=p)
