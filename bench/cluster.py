@@ -52,6 +52,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from server_process import (
     RunFailed,
+    add_server_args,
     bench_serve,
     counter_delta,
     endpoint,
@@ -345,11 +346,7 @@ def parse_args() -> argparse.Namespace:
             g.add_argument(flag, type=type(default), default=default)
     ap.add_argument("--sample-interval", type=float, default=0.5, help="seconds between per-worker gauge samples")
     ap.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, help="--worker-heartbeat-timeout")
-    ap.add_argument("--server-args", default="", help="extra `tandem serve` flags for every server, one string")
-    ap.add_argument("--server-log-level", default="INFO", help="the servers' --log-level (logs are scanned)")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--out-dir", type=Path, default=Path("bench/results/cluster"),
-                    help="per-run client results, records and server logs")
+    add_server_args(ap, Path("bench/results/cluster"))
     ap.add_argument("--results", type=Path, default=Path("bench/results/cluster.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/cluster_routing.png"))
     args = ap.parse_args()

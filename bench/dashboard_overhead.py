@@ -32,7 +32,7 @@ import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from server_process import bench_serve, serving, tandem_exe
+from server_process import add_server_args, bench_serve, serving, tandem_exe
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,10 +94,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--server-args", default="", help="extra flags for tandem serve")
-    ap.add_argument("--server-log-level", default="WARNING")
-    ap.add_argument("--startup-timeout", type=float, default=300)
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results/dashboard")
+    add_server_args(ap, ROOT / "bench/results/dashboard", "WARNING")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     throughput: dict[str, list[float]] = {c: [] for c in CONDITIONS}

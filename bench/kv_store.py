@@ -52,6 +52,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from server_process import (
     RunFailed,
+    add_server_args,
     bench_serve,
     counter_delta,
     endpoint,
@@ -569,12 +570,7 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--probe-reps", type=int, default=5)
     g.add_argument("--settle", type=float, default=1.0,
                    help="seconds before each measured probe request (background saves finish)")
-    ap.add_argument("--server-args", default="", help="extra `tandem serve` flags for every server, one string")
-    ap.add_argument("--server-log-level", default="INFO", help="the servers' --log-level (their logs are scanned "
-                    "for warnings and errors)")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--out-dir", type=Path, default=Path("bench/results/kv_store"),
-                    help="per-run client results, records and server logs")
+    add_server_args(ap, Path("bench/results/kv_store"))
     ap.add_argument("--results", type=Path, default=Path("bench/results/kv_store.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench/results/kv_store.png"))
     ap.add_argument("--trace-path", type=Path, default=Path("bench/results/kv_store_trace.jsonl"))

@@ -37,7 +37,7 @@ from kv_store import fmt, pct, ratio
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from server_process import RunFailed, bench_serve, scrape, serving, tandem_exe
+from server_process import RunFailed, add_server_args, bench_serve, scrape, serving, tandem_exe
 
 from tandem.bench.report import load_records
 
@@ -220,10 +220,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--planner-window", type=float, default=20.0)
     p.add_argument("--planner-dwell", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--server-args", default="", help="extra flags for every server")
-    p.add_argument("--server-log-level", default="warning")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--out-dir", type=Path, default=ROOT / "results" / "planner")
+    add_server_args(p, ROOT / "results" / "planner", "warning")
     p.add_argument("--plot-path", type=Path, default=ROOT.parent / "docs" / "planner.png")
     args = p.parse_args()
     if args.quick:

@@ -122,6 +122,16 @@ def bench_serve(flags: list[str], client_log: Path, progress: Progress, label: s
         progress.remove_task(task)
 
 
+def add_server_args(p: argparse.ArgumentParser, out_dir: Path | None, log_level: str = "INFO") -> None:
+    """The flags serving() reads: extra server flags, its log level (logs are scanned), its start-up
+    patience, and (unless the script names its own) where results and logs go."""
+    p.add_argument("--server-args", default="", help="extra `tandem serve` flags for every server, one string")
+    p.add_argument("--server-log-level", default=log_level, help="the servers' --log-level (their logs are scanned)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    if out_dir is not None:
+        p.add_argument("--out-dir", type=Path, default=out_dir, help="per-run client results, records and server logs")
+
+
 @dataclass
 class Server:
     name: str

@@ -24,7 +24,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from server_process import bench_serve, serving, tandem_exe
+from server_process import add_server_args, bench_serve, serving, tandem_exe
 
 console = Console(stderr=True)
 RatesOf = Callable[[str, str], list[float]]
@@ -173,9 +173,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one rate per workload, 12 requests")
     p.add_argument("--reuse-profiles", action="store_true")
     p.add_argument("--skip-measure", action="store_true", help="only simulate (the measured files exist)")
-    p.add_argument("--server-args", default="", help="appended to every `tandem serve`")
-    p.add_argument("--server-log-level", default="INFO")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    add_server_args(p, None)
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     deps = [d for d in args.deployments.split(",") if d]

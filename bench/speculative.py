@@ -27,7 +27,7 @@ import matplotlib
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from server_process import RunFailed, bench_serve, counter_delta, scrape, serving, tandem_exe
+from server_process import RunFailed, add_server_args, bench_serve, counter_delta, scrape, serving, tandem_exe
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -122,10 +122,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--server-args", default="", help="extra `tandem serve` flags for every configuration")
-    ap.add_argument("--server-log-level", default="INFO")
-    ap.add_argument("--startup-timeout", type=float, default=300)
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results/speculative")
+    add_server_args(ap, ROOT / "bench/results/speculative")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
