@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top-k
     prompt_logprobs: None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # constrain the output to a grammar (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +91,23 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise ParamError(message, param)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must parse as: a JSON schema (kind json, spec its JSON text), any JSON object
+    (json_object), a regular expression, one of a JSON list of strings (choice), or a Lark/GBNF grammar
+    (vLLM's structured_outputs / guided_* fields; OpenAI's response_format)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ParamError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}", "structured")
 
 
 def _is_int(value: object) -> bool:

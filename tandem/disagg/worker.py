@@ -99,7 +99,7 @@ class Worker(EngineService):
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         super().__init__(EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None,
-                                    connector))
+                                    connector, tokenizer=loaded.tokenizer))
         self.handlers.update({
             AbortRequests: self._on_abort, Forget: lambda m: self.sender.forget(m.kv_address),
             Reserve: lambda m: self.reserve(m.request), Prefill: self._on_prefill, Admit: self._on_admit,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ from tandem.engine.request import Request
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.layout import engine_kv_layout
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
@@ -89,7 +91,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, tokenizer: Any = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":
             # Loaded (or, if set-up was skipped, built) now rather than on the first step.
@@ -109,6 +111,9 @@ class EngineCore:
             self.block_key_extra += (layout.name,)
         self.connector = with_store(connector, config, model.cfg, fingerprint)
         self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
+        # Grammar-constrained requests need the tokenizer's strings; without one they fail in their step.
+        self.structured = StructuredState(Grammars(tokenizer, model.cfg.vocab_size)) if tokenizer is not None else None
+        self.runner.structured = self.structured
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    self.block_key_extra)
         self.spec = self._spec_decoder(config)
@@ -152,6 +157,8 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             request = self.scheduler.abort(rid)
+            if self.structured is not None:
+                self.structured.drop(rid)
             if request is not None and self.spec is not None:
                 self.spec.finish(request)
 
@@ -177,6 +184,10 @@ class EngineCore:
         changed = self.scheduler.update_from_output(sched, result.sampled)
         for r, new in changed:
             self.num_generation_tokens += len(new)
+            if self.structured is not None:
+                self.structured.advance(r.request_id, new)
+                if r.is_finished:
+                    self.structured.drop(r.request_id)
             outputs.append(EngineCoreOutput(
                 r.request_id, new, result.logprobs.get(r.request_id, [])[:len(new)], r.status.finish_reason,
                 r.stop_reason, r.num_cached_tokens, r.num_preemptions, r.scheduled_time, r.first_token_time,
@@ -266,6 +277,8 @@ class EngineCore:
         for rid, request in failed.items():
             log.error("request %s failed: %s", rid, errors[rid])
             self.scheduler.fail(rid)
+            if self.structured is not None:
+                self.structured.drop(rid)
             outputs.append(EngineCoreOutput(rid, [], finish_reason="error", num_cached_tokens=request.num_cached_tokens,
                                             finish_time=request.finish_time, error=errors[rid]))
         return outputs

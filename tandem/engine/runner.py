@@ -18,6 +18,7 @@ from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleLogprobs, sample
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.kv.layout import engine_kv_layout
 from tandem.model.arch import ArchConfig
@@ -73,6 +74,7 @@ class ModelRunner:
             prefault(self.kv_caches)
         self.connector = connector or KVConnector()
         self.connector.register_kv_caches(self.kv_caches)
+        self.structured: StructuredState | None = None  # set by the engine core when it has a tokenizer
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -116,13 +118,16 @@ class ModelRunner:
                 connector.save_layer(layer)
                 connector.wait_for_layer_load(layer + 1)
 
+        # The grammar masks of this step's constrained rows are computed while the model runs.
+        masks = self.structured.start_masks(sampling) if self.structured is not None and sampling else None
         logits = self.model(ids, meta, self.kv_caches, idx, after_layer)
         connector.finish_step()
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
         if sampling:
-            out = sample(logits.cpu(), sampling, drafts if any(drafts) else None)
+            logits = apply_masks(logits.cpu(), masks.result() if masks is not None else None)
+            out = sample(logits, sampling, drafts if any(drafts) else None)
             for r, tokens, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
                 sampled[r.request_id] = tokens
                 if lp is not None:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import tandem
 from tandem.config import EngineConfig
+from tandem.engine.structured import Grammars
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve import cluster_view
@@ -177,6 +178,19 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise bad_request(str(e), getattr(e, "param", None)) from e
+
+    async def check_structured(params: SamplingParams) -> None:
+        """A grammar that cannot be compiled is the client's error (400), found before it is queued."""
+        if params.structured is None:
+            return
+        if tokenizer is None:
+            raise bad_request("structured outputs need the model's tokenizer", "response_format")
+        if "grammars" not in state:
+            assert engine.info is not None
+            state["grammars"] = Grammars(tokenizer, engine.info.vocab_size)
+        error = await asyncio.to_thread(state["grammars"].check, params.structured)
+        if error:
+            raise bad_request(f"invalid {params.structured.kind} constraint: {error.strip()}", "response_format")
 
     async def tracked(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Feed the latency histograms from what the client actually receives; a request that ends
@@ -347,6 +361,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = make_params(body, body.max_tokens, body.logprobs)
+        await check_structured(params)
         call = call_for(request, body)
         admit(call, len(body.prompts()), params)  # before any tokenizing: a refusal costs next to nothing
         texts = [p if isinstance(p, str) else None for p in body.prompts()]
@@ -382,6 +397,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             raise bad_request("this model has no tokenizer, so it has no chat template")
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.logprobs_count())
+        await check_structured(params)
         call = call_for(request, body)
         admit(call, 1, params)
         ids = await text.chat_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,

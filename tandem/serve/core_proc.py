@@ -73,7 +73,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
-        core = EngineCore(config, loaded.model)
+        core = EngineCore(config, loaded.model, tokenizer=loaded.tokenizer)
         out.send_pyobj(Ready(core_info(core, loaded)))
         logs.startup.info("engine core ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # report why we could not start, then exit non-zero

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,7 +17,7 @@ from pydantic import (
 )
 
 from tandem.engine.processor import check_encodable
-from tandem.sampling_params import MAX_SEED, SamplingParams
+from tandem.sampling_params import MAX_SEED, ParamError, SamplingParams, StructuredOutputs
 
 INT32 = 2**31
 # Strict: JSON true and 1.0 are not token ids. The vocabulary bound is the engine's (InputProcessor).
@@ -47,6 +48,36 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+def _constraint(kind: str, value: Any) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs("json", value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return StructuredOutputs("choice", json.dumps(value))
+    return StructuredOutputs(kind, "" if value is True else value)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -74,6 +105,13 @@ class _SamplingFields(BaseModel):
     # vLLM's meaning: a lower value is scheduled first. Validated here; the scheduler honours it.
     priority: int = Field(0, ge=-INT32, lt=INT32)
     timeout: float | None = _finite(None, gt=0)  # seconds for this request (at most --request-timeout)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -93,7 +131,32 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured())
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one output constraint the request names (ParamError when it names several)."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputs("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", StructuredOutputs("json", json.dumps(rf.json_schema.schema_))))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar), ("json_object", so.json_object or None)):
+                if value is not None:
+                    found.append(("structured_outputs", _constraint(kind, value)))
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                            ("grammar", self.guided_grammar)):
+            if value is not None:
+                found.append((f"guided_{kind}", _constraint(kind, value)))
+        if len(found) > 1:
+            raise ParamError(f"give one output constraint, not {len(found)} ({', '.join(f for f, _ in found)})",
+                             found[1][0])
+        return found[0][1] if found else None
 
 
 class CompletionRequest(_SamplingFields):

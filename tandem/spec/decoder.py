@@ -42,8 +42,9 @@ class SpecDecoder:
     def propose(self, running: list[Request], prompt_tokens: int = 0, budget: int = 1 << 30) -> None:
         """Set spec_token_ids of the running requests that decode next step; prompt_tokens wait to
         be computed within a step budget of `budget` tokens."""
+        # A grammar-constrained request gets no drafts: they would be verified without its mask.
         decoding = [r for r in running if r.status == RequestStatus.RUNNING
-                    and r.num_tokens - r.num_computed_tokens == 1]
+                    and r.num_tokens - r.num_computed_tokens == 1 and r.sampling_params.structured is None]
         if not decoding:
             return
         ids = [r.request_id for r in decoding]

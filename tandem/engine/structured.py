@@ -1,0 +1,142 @@
+"""Structured outputs: a token mask per step from llguidance, so that every sampled token keeps the
+output inside its grammar (a JSON schema, a regex, a choice, a Lark grammar).
+
+Each constrained request gets an LLMatcher in the engine that samples for it (the colocated core, a
+prefill worker for the first token, a decode worker for the rest). A matcher is made on first use
+and fed the request's tokens so far, so a request that arrives with output (a decode worker's, after
+its prefill worker sampled the first token; a preempted one) resumes exactly where it was. The mask
+of the requests sampling this step is computed on a thread while the model runs (llguidance drops
+the GIL), applied to their logits rows before sampling, and the sampled tokens are fed back after.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tandem.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def grammar_of(so: StructuredOutputs) -> str:
+    import llguidance
+
+    if so.kind == "json_object":
+        return llguidance.grammar_from("json_schema", ANY_JSON_OBJECT)
+    if so.kind == "json":
+        return llguidance.grammar_from("json_schema", so.spec)
+    if so.kind == "choice":
+        choices = json.loads(so.spec)
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("a choice must be a non-empty list of non-empty strings")
+        return llguidance.grammar_from("choice", so.spec)
+    return llguidance.grammar_from("regex" if so.kind == "regex" else "grammar", so.spec)
+
+
+class Grammars:
+    """llguidance's view of one tokenizer (built on first use: about half a second), and the grammars
+    checked or matched against it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._ll: Any = None
+        self._lock = threading.Lock()
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+
+    @property
+    def ll(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
+            return self._ll
+
+    def check(self, so: StructuredOutputs) -> str | None:
+        """Why the grammar cannot be used (None: it can)."""
+        import llguidance
+
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar_of(so), self.ll)
+        except (ValueError, json.JSONDecodeError) as e:
+            return str(e)
+        return error or None
+
+    def matcher(self, so: StructuredOutputs) -> Any:
+        import llguidance
+
+        m = llguidance.LLMatcher(self.ll, grammar_of(so))
+        if m.is_error():
+            raise ValueError(f"invalid {so.kind} grammar: {m.get_error()}")
+        return m
+
+
+class StructuredState:
+    """The engine's matchers, by request id; the masks of a step; the tokens fed back."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self.matchers: dict[str, Any] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="structured-mask")
+
+    def _matcher(self, request: Request) -> Any:
+        m = self.matchers.get(request.request_id)
+        if m is None:
+            so = request.sampling_params.structured
+            assert so is not None
+            m = self.grammars.matcher(so)
+            for token in request.output_token_ids:  # resumed with output already: catch up
+                if not m.consume_token(token):
+                    raise ValueError(f"request {request.request_id}'s output left its grammar")
+            self.matchers[request.request_id] = m
+        return m
+
+    def start_masks(self, sampling: list[Request]) -> Future | None:
+        """Begin the masks of this step's sampling rows (those with a grammar) on the mask thread:
+        (row indices, bitmask) when the future is read, or None when no row is constrained."""
+        rows = [i for i, r in enumerate(sampling) if r.sampling_params.structured is not None]
+        if not rows:
+            return None
+        matchers = [self._matcher(sampling[i]) for i in rows]  # made here: errors surface in this step
+        return self._pool.submit(self._fill, rows, matchers)
+
+    def _fill(self, rows: list[int], matchers: list[Any]) -> tuple[list[int], torch.Tensor]:
+        import llguidance.torch as llt
+
+        mask = llt.allocate_token_bitmask(len(rows), self.grammars.ll.vocab_size)
+        for n, m in enumerate(matchers):
+            llt.fill_next_token_bitmask(m, mask, n)
+        return rows, mask
+
+    def advance(self, request_id: str, tokens: list[int]) -> None:
+        m = self.matchers.get(request_id)
+        if m is not None:
+            for t in tokens:
+                m.consume_token(t)
+
+    def drop(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+
+def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
+    """logits [R, V]: the constrained rows' disallowed tokens set to -inf, in place (the mask was made
+    for the model's V: Grammars.vocab_size)."""
+    if masks is None:
+        return logits
+    import llguidance.torch as llt
+
+    rows, mask = masks
+    with torch.inference_mode():  # the model's logits are inference tensors: updated in place there
+        idx = torch.tensor(rows)
+        sub = logits[idx]
+        llt.apply_token_bitmask_inplace(sub, mask)
+        logits[idx] = sub
+    return logits

@@ -1,0 +1,83 @@
+"""Structured outputs: every output parses as its constraint (JSON schemas with nested objects,
+enums, arrays and patterns; regexes; choices) over many seeds; unconstrained requests in the same
+batch are unchanged; the API takes OpenAI's response_format and vLLM's structured_outputs / guided_*
+fields and refuses a constraint that does not compile with a 400."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from server_utils import running_server
+
+from tandem import SamplingParams
+from tandem.sampling_params import StructuredOutputs
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "city": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                  "country": {"enum": ["FR", "DE", "JP"]}},
+                 "required": ["name", "country"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "maxItems": 3}},
+     "required": ["city", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+]
+PROMPT = [{"role": "user", "content": "Answer in JSON about a city you like."}]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "array"])
+def test_every_sample_validates_against_its_schema(llm_fp32, schema: dict) -> None:  # noqa: ANN001
+    so = StructuredOutputs("json", json.dumps(schema))
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured=so) for seed in range(8)]
+    for out in llm_fp32.chat([PROMPT] * len(params), params):
+        text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+        assert reason == "stop", (text, reason)  # the grammar finished: the model had to say EOS
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regexes_and_choices_match_and_free_requests_are_unchanged(llm_fp32) -> None:  # noqa: ANN001
+    prompts = ["My phone number is", "The capital of France is", "Once upon a time"]
+    free = SamplingParams(temperature=0, max_tokens=12)
+    alone = [o.outputs[0].text for o in llm_fp32.generate(prompts, free)]
+    regex = StructuredOutputs("regex", r"\d{3}-\d{4}")
+    choice = StructuredOutputs("choice", json.dumps(["Paris", "Lyon", "Nice"]))
+    mixed = llm_fp32.generate(prompts * 2, [free] * 3 + [
+        SamplingParams(temperature=0, max_tokens=12, structured=regex),
+        SamplingParams(temperature=0, max_tokens=12, structured=choice),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=200, structured=StructuredOutputs("json_object"))])
+    assert [o.outputs[0].text for o in mixed[:3]] == alone  # the constrained rows left the others alone
+    assert re.fullmatch(r"\d{3}-\d{4}", mixed[3].outputs[0].text)
+    assert mixed[4].outputs[0].text in ("Paris", "Lyon", "Nice")
+    assert mixed[5].outputs[0].finish_reason == "stop", mixed[5].outputs[0].text
+    assert isinstance(json.loads(mixed[5].outputs[0].text), dict)
+
+
+def test_the_api_takes_response_format_and_refuses_what_does_not_compile() -> None:
+    schema = SCHEMAS[0]
+    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as server:
+        def chat(**fields: object) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                              json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
+
+        r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                           "strict": True}})
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+        r = chat(structured_outputs={"choice": ["yes", "no"]})
+        assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+        r = chat(guided_regex="[0-9]{4}", stream=True)
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                       for line in r.text.splitlines() if line.startswith("data: {") and '"choices": [{' in line)
+        assert re.fullmatch("[0-9]{4}", text), text
+        for fields, param in (({"guided_regex": "[a-z"}, "response_format"),
+                              ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                              ({"response_format": {"type": "json_schema"}}, "response_format")):
+            r = chat(**fields)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert httpx.get(f"{server.url}/health").status_code == 200
