@@ -81,3 +81,25 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile() -> No
             r = chat(**fields)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side() -> None:
+    """The prefill worker samples the first token under the mask; the decode worker's matcher is fed
+    that token and constrains the rest: the outputs equal the colocated engine's."""
+    args = ("--dtype", "float32", "--kv-cache-memory", "0.25")
+    fields = [{"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{2}"}, {"guided_choice": ["alpha", "beta", "gamma"]},
+              {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[0]}}}]
+
+    def run(url: str) -> list[str]:
+        return [httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                           json={"messages": PROMPT, "max_tokens": 60, "temperature": 0, **f}
+                           ).json()["choices"][0]["message"]["content"] for f in fields]
+
+    with running_server(*args) as colocated:
+        expected = run(colocated.url)
+    with running_server(*args, "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+                        "--path-policy", "disaggregated") as pair:
+        assert run(pair.url) == expected
+    assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", expected[0]) and expected[1] in ("alpha", "beta", "gamma")
+    jsonschema.validate(json.loads(expected[2]), SCHEMAS[0])
