@@ -103,3 +103,23 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
         assert run(pair.url) == expected
     assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", expected[0]) and expected[1] in ("alpha", "beta", "gamma")
     jsonschema.validate(json.loads(expected[2]), SCHEMAS[0])
+
+
+def test_the_mask_is_llguidances_own_bit_for_bit(llm_fp32) -> None:  # noqa: ANN001
+    """apply_masks unpacks the bitmask itself (llguidance.torch's CPU apply is ~50x slower here):
+    the result must be what llguidance's apply gives, on a row with many allowed tokens and few."""
+    import llguidance.torch as llt
+    import torch
+
+    from tandem.engine.structured import Grammars, apply_masks
+
+    grammars = Grammars(llm_fp32.get_tokenizer(), 49152)
+    for so in (StructuredOutputs("json_object"), StructuredOutputs("regex", "[a-z ]+"),
+               StructuredOutputs("choice", json.dumps(["yes", "no"]))):
+        mask = llt.allocate_token_bitmask(1, 49152)
+        llt.fill_next_token_bitmask(grammars.matcher(so), mask, 0)
+        ours = torch.randn(3, 49152, dtype=torch.bfloat16)
+        theirs = ours.clone()
+        llt.apply_token_bitmask_inplace(theirs[1:2], mask)
+        apply_masks(ours, ([1], mask))
+        assert torch.equal(ours, theirs) and torch.isfinite(ours[1]).sum() > 0

@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tandem.sampling_params import StructuredOutputs
@@ -126,17 +127,22 @@ class StructuredState:
         self.matchers.pop(request_id, None)
 
 
+def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed bitmask [R, ceil(V/32)] int32 (bit j of word w: token 32w + j) as bool [R, V].
+    numpy's unpackbits does it in microseconds; llguidance.torch's CPU apply took 20 ms a row here."""
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size].astype(bool))
+
+
 def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
     """logits [R, V]: the constrained rows' disallowed tokens set to -inf, in place (the mask was made
     for the model's V: Grammars.vocab_size)."""
     if masks is None:
         return logits
-    import llguidance.torch as llt
-
     rows, mask = masks
     with torch.inference_mode():  # the model's logits are inference tensors: updated in place there
         idx = torch.tensor(rows)
         sub = logits[idx]
-        llt.apply_token_bitmask_inplace(sub, mask)
+        sub.masked_fill_(~allowed_tokens(mask, sub.shape[1]), float("-inf"))
         logits[idx] = sub
     return logits
