@@ -46,6 +46,12 @@ def main() -> int:
     runs: dict[tuple[int, str], list[dict]] = {(c, m): [] for c in levels for m in ("free", "schema")}
     seed = 2000
     with Progress(console=console, transient=True) as progress, serving("structured", [], args, progress) as server:
+        # Not measured: the first constrained request builds llguidance's view of the vocabulary
+        # (half a second, once per process), in the API process and in the engine core.
+        bench_serve([tandem_exe(), "bench", "serve", "--base-url", server.url, "--backend", "openai-chat",
+                     "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8",
+                     "--num-prompts", "2", "--disable-tqdm", "--extra-body", json.dumps(BODY)],
+                    args.out_dir / "client.log", progress, "warm-up")
         for r in range(args.rounds):
             for c in levels:
                 for mode in (("free", "schema") if r % 2 == 0 else ("schema", "free")):

@@ -106,12 +106,13 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
 
 
 def test_the_mask_is_llguidances_own_bit_for_bit(llm_fp32) -> None:  # noqa: ANN001
-    """apply_masks unpacks the bitmask itself (llguidance.torch's CPU apply is ~50x slower here):
-    the result must be what llguidance's apply gives, on a row with many allowed tokens and few."""
+    """The mask is unpacked with numpy (llguidance.torch's CPU apply is ~50x slower here): the result
+    must be what llguidance's apply gives, on a row with many allowed tokens and few, in a batch with
+    free rows and alone."""
     import llguidance.torch as llt
     import torch
 
-    from tandem.engine.structured import Grammars, apply_masks
+    from tandem.engine.structured import Grammars, apply_masks, disallowed_tokens
 
     grammars = Grammars(llm_fp32.get_tokenizer(), 49152)
     for so in (StructuredOutputs("json_object"), StructuredOutputs("regex", "[a-z ]+"),
@@ -121,5 +122,7 @@ def test_the_mask_is_llguidances_own_bit_for_bit(llm_fp32) -> None:  # noqa: ANN
         ours = torch.randn(3, 49152, dtype=torch.bfloat16)
         theirs = ours.clone()
         llt.apply_token_bitmask_inplace(theirs[1:2], mask)
-        apply_masks(ours, ([1], mask))
+        apply_masks(ours, ([1], disallowed_tokens(mask.numpy(), 49152)))
         assert torch.equal(ours, theirs) and torch.isfinite(ours[1]).sum() > 0
+        alone = theirs[1:2].clone()
+        assert torch.equal(apply_masks(alone, ([0], disallowed_tokens(mask.numpy(), 49152))), theirs[1:2])

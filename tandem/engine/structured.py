@@ -110,12 +110,14 @@ class StructuredState:
         return self._pool.submit(self._fill, rows, matchers)
 
     def _fill(self, rows: list[int], matchers: list[Any]) -> tuple[list[int], torch.Tensor]:
-        import llguidance.torch as llt
+        # llguidance.numpy, not llguidance.torch: that one imports torch._dynamo (a second, on the
+        # first constrained step).
+        import llguidance.numpy as lln
 
-        mask = llt.allocate_token_bitmask(len(rows), self.grammars.ll.vocab_size)
+        mask = lln.allocate_token_bitmask(len(rows), self.grammars.ll.vocab_size)
         for n, m in enumerate(matchers):
-            llt.fill_next_token_bitmask(m, mask, n)
-        return rows, mask
+            lln.fill_next_token_bitmask(m, mask, n)
+        return rows, disallowed_tokens(mask, self.grammars.vocab_size or self.grammars.ll.vocab_size)
 
     def advance(self, request_id: str, tokens: list[int]) -> None:
         m = self.matchers.get(request_id)
@@ -127,22 +129,22 @@ class StructuredState:
         self.matchers.pop(request_id, None)
 
 
-def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's packed bitmask [R, ceil(V/32)] int32 (bit j of word w: token 32w + j) as bool [R, V].
-    numpy's unpackbits does it in microseconds; llguidance.torch's CPU apply took 20 ms a row here."""
-    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab_size].astype(bool))
+def disallowed_tokens(mask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed bitmask [R, ceil(V/32)] int32 (bit j of word w: token 32w + j) as the bool
+    [R, V] of tokens it forbids. Unpacked on the mask thread, so the step only does a masked fill;
+    llguidance.torch's own CPU apply took 20 ms a row here."""
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits == 0)
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
-    """logits [R, V]: the constrained rows' disallowed tokens set to -inf, in place (the mask was made
-    for the model's V: Grammars.vocab_size)."""
+    """logits [R, V]: the constrained rows' disallowed tokens set to -inf, in place."""
     if masks is None:
         return logits
-    rows, mask = masks
+    rows, forbidden = masks
     with torch.inference_mode():  # the model's logits are inference tensors: updated in place there
+        if len(rows) == logits.shape[0]:  # every row constrained: no gather
+            return logits.masked_fill_(forbidden, float("-inf"))
         idx = torch.tensor(rows)
-        sub = logits[idx]
-        sub.masked_fill_(~allowed_tokens(mask, sub.shape[1]), float("-inf"))
-        logits[idx] = sub
+        logits[idx] = logits[idx].masked_fill_(forbidden, float("-inf"))
     return logits
