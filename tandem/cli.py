@@ -14,6 +14,7 @@ from tandem import logs
 from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, SchedulerConfig
 from tandem.logs import LOG_FORMATS
 from tandem.serve.admission import AdmissionSettings
+from tandem.serve.tool_calls.formats import FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               admission=admission, tenant_header=args.tenant_header,
                               tenant_weights=parse_weights(args.tenant_weight or []),
                               metrics_require_api_key=args.metrics_require_api_key,
-                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
+                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
+                              tool_call_parser=args.tool_call_parser)
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:
@@ -317,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a chat_template in chat requests (rendered in a sandbox process with a time "
                      "and a size budget); refused with 400 by default")
+    srv.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
+                     help="how the model writes tool calls; auto: from its chat template (Hermes's <tool_call> "
+                     "tags when the template knows no tools, which Tandem then describes in the system prompt)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM's command lines: tool_choice auto is always on")
     dis = srv.add_argument_group("disaggregation (a router in front of prefill and decode workers)")
     dis.add_argument("--prefill-workers", type=int, default=0, help="prefill workers to start on this host")
     dis.add_argument("--decode-workers", type=int, default=0, help="decode workers to start on this host")

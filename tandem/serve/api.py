@@ -20,7 +20,7 @@ import tandem
 from tandem.config import EngineConfig
 from tandem.engine.structured import Grammars
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from tandem.serve import cluster_view
 from tandem.serve.admission import AdmissionSettings, check_admission
 from tandem.serve.async_engine import AsyncEngine, EngineClient
@@ -39,6 +39,9 @@ from tandem.serve.protocol import (
 )
 from tandem.serve.template_sandbox import TemplateSandbox
 from tandem.serve.text_worker import TextWorker
+from tandem.serve.tool_calls.formats import format_for, template_knows_tools
+from tandem.serve.tool_calls.plan import ToolPlan, plan_tools
+from tandem.serve.tool_calls.prompt import template_inputs
 from tandem.slo import Slo
 
 
@@ -59,6 +62,7 @@ class ServerSettings:
     tenant_weights: dict[str, float] = field(default_factory=dict)  # API key or header value -> share
     metrics_require_api_key: bool = False
     slo: Slo | None = None  # what the dashboard's goodput and SLO lines judge by
+    tool_call_parser: str = "auto"  # how replies write tool calls (tandem.serve.tool_calls.formats)
 
 
 @dataclass
@@ -87,6 +91,8 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         sandbox = TemplateSandbox(tokenizer.special_tokens_map, settings.chat_template_timeout,
                                   settings.max_prompt_chars) if settings.trust_request_chat_template else None
         text = TextWorker(tokenizer, settings.max_prompt_chars, sandbox)
+    model_template = getattr(tokenizer, "chat_template", None)
+    tool_format = format_for(model_template, settings.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,18 +185,37 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         except ValueError as e:
             raise bad_request(str(e), getattr(e, "param", None)) from e
 
-    async def check_structured(params: SamplingParams) -> None:
+    async def check_structured(params: SamplingParams, param: str = "response_format") -> None:
         """A grammar that cannot be compiled is the client's error (400), found before it is queued."""
         if params.structured is None:
             return
         if tokenizer is None:
-            raise bad_request("structured outputs need the model's tokenizer", "response_format")
+            raise bad_request("structured outputs need the model's tokenizer", param)
         if "grammars" not in state:
             assert engine.info is not None
             state["grammars"] = Grammars(tokenizer, engine.info.vocab_size)
         error = await asyncio.to_thread(state["grammars"].check, params.structured)
         if error:
-            raise bad_request(f"invalid {params.structured.kind} constraint: {error.strip()}", "response_format")
+            raise bad_request(f"invalid {params.structured.kind} constraint: {error.strip()}", param)
+
+    def tool_plan(body: ChatCompletionRequest, params: SamplingParams) -> ToolPlan | None:
+        """The request's tools; a forced call (required, a named function) becomes its grammar."""
+        try:
+            plan = plan_tools(tool_format, body.function_defs(), body.tool_choice_value(), body.parallel_tool_calls)
+        except ParamError as e:
+            raise bad_request(str(e), e.param) from e
+        if plan is not None and plan.grammar is not None:
+            if params.structured is not None:
+                raise bad_request("tool_choice required or a named function cannot be combined with another "
+                                  "output constraint", "tool_choice")
+            params.structured = StructuredOutputs("grammar", plan.grammar)
+        return plan
+
+    async def chat_ids(worker: TextWorker, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool, template: str | None) -> list[int]:
+        native = template_knows_tools(template or model_template)
+        msgs, native_tools = template_inputs(messages, tools, tool_format, native)
+        return await worker.chat_ids(msgs, add_generation_prompt, template, native_tools)
 
     async def tracked(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Feed the latency histograms from what the client actually receives; a request that ends
@@ -290,8 +315,10 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
                         continue
                     lp_entries = out.logprobs[len(out.logprobs) - len(tokens):] if out.logprobs is not None \
                         else None
-                    choices.append(fmt.chunk_choice(index, text, tokens, lp_entries, num_top, finish,
-                                                    out.stop_reason if finish else None, role=first and fmt.chat))
+                    choice = fmt.chunk_choice(index, text, tokens, lp_entries, num_top, finish,
+                                              out.stop_reason if finish else None, role=first and fmt.chat)
+                    if choice is not None:
+                        choices.append(choice)
                 if choices:
                     yield f"data: {json.dumps(fmt.chunk(choices))}\n\n"
             if include_usage:
@@ -340,7 +367,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         if body.messages is not None:
-            ids = await need_text().chat_ids([m.as_template_dict() for m in body.messages], True)
+            ids = await chat_ids(need_text(), [m.as_template_dict() for m in body.messages], None, True, None)
         elif body.prompt is not None:
             ids = await need_text().encode(body.prompt, body.add_special_tokens)
         else:
@@ -397,17 +424,19 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
             raise bad_request("this model has no tokenizer, so it has no chat template")
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.logprobs_count())
-        await check_structured(params)
+        tools = tool_plan(body, params)
+        await check_structured(params, "tools" if tools is not None and tools.grammar else "response_format")
         call = call_for(request, body)
         admit(call, 1, params)
-        ids = await text.chat_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
-                                  body.chat_template)
+        ids = await chat_ids(text, [m.as_template_dict() for m in body.messages], tools.prompt_tools if tools else None,
+                             body.add_generation_prompt, body.chat_template)
         if params.max_tokens is None:
             assert engine.info is not None
             params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
         validate(ids, params, "messages")
         admit(call, 1, params, len(ids))
-        fmt = Formatter(tokenizer, state["model"], f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        fmt = Formatter(tokenizer, state["model"], f"chatcmpl-{uuid.uuid4().hex}", chat=True,
+                        tools=tool_format if tools is not None and tools.parse else None)
         streams = open_streams([ids], params, [None], call)
         num_top = body.top_logprobs or 0
         if body.stream:

@@ -6,14 +6,21 @@ import time
 from typing import Any
 
 from tandem.outputs import CompletionOutput, Logprob
+from tandem.serve.tool_calls.formats import ToolFormat
+from tandem.serve.tool_calls.parser import Delta, ToolCallDelta, ToolCallParser, parse_reply
 
 
 class Formatter:
-    def __init__(self, tokenizer: Any | None, model: str, request_id: str, chat: bool) -> None:
+    """`tools`: the format a chat reply's tool calls are parsed in (None: the reply is all content)."""
+
+    def __init__(self, tokenizer: Any | None, model: str, request_id: str, chat: bool,
+                 tools: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.id = request_id
         self.chat = chat
+        self.tools = tools
+        self._parsers: dict[int, ToolCallParser] = {}  # by choice index, while streaming
         self.created = int(time.time())
 
     def _token_str(self, token_id: int) -> str:
@@ -49,8 +56,16 @@ class Formatter:
     def choice(self, index: int, out: CompletionOutput, text: str, num_top: int) -> dict[str, Any]:
         lp = self.logprobs(out.token_ids, out.logprobs, num_top)
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = out.finish_reason
+            if self.tools is not None:
+                parsed = parse_reply(self.tools, text)
+                message["content"] = parsed.content
+                if parsed.calls:
+                    message["tool_calls"] = [_call_json(c) for c in parsed.calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish,
+                    "stop_reason": out.stop_reason}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason}
 
@@ -68,15 +83,42 @@ class Formatter:
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], entries: list[dict[int, Logprob]] | None,
                      num_top: int, finish_reason: str | None, stop_reason: int | str | None = None,
-                     role: bool = False) -> dict[str, Any]:
+                     role: bool = False) -> dict[str, Any] | None:
+        """None when there is nothing to send yet (text held back as maybe part of a tool call)."""
         lp = self.logprobs(token_ids, entries, num_top)
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text
-                                                                                          else {})
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if self.tools is None:
+                if text or role:
+                    delta["content"] = text
+            else:
+                parser = self._parsers.setdefault(index, ToolCallParser(self.tools))
+                parsed = parser.feed(text)
+                if finish_reason is not None:
+                    parsed.extend(parser.finish())
+                    if parser.num_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                delta |= _delta_json(parsed, role)
+                if not delta and lp is None and finish_reason is None:
+                    return None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
+
+
+def _call_json(call: ToolCallDelta) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _delta_json(parsed: Delta, role: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if parsed.content or role:
+        out["content"] = parsed.content
+    if parsed.calls:
+        out["tool_calls"] = [{"index": c.index} | (_call_json(c) if c.id is not None else
+                                                    {"function": {"arguments": c.arguments}}) for c in parsed.calls]
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -196,19 +196,70 @@ class ContentPart(BaseModel):
     text: str  # checked by the message's content validator, which names the field
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: any object
+    strict: bool | None = None  # every call is held to the schema when it is forced (tool_choice)
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: Text
+    arguments: Text  # JSON text, as the API returned it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise ValueError("a tool call's arguments must be a JSON object (as text)")
+        return v
+
+
+class MessageToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Annotated[str | list[ContentPart], AfterValidator(_encodable)] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool result: the call it answers
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -219,9 +270,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template: Text | None = None  # refused unless the server runs with --trust-request-chat-template
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def function_defs(self) -> list[dict[str, Any]] | None:
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools] if self.tools \
+            else None
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        c = self.tool_choice
+        return {"name": c.function.name} if isinstance(c, NamedToolChoice) else c
 
 
 class TokenizeRequest(BaseModel):

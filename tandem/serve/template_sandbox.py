@@ -48,9 +48,10 @@ class TemplateSandbox:
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._spawn)
 
-    async def render(self, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+    async def render(self, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> str:
         job = {"messages": messages, "template": template, "add_generation_prompt": add_generation_prompt,
-               "variables": self.variables}
+               "tools": tools, "variables": self.variables}
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._render, job)
 
     def close(self) -> None:
@@ -145,7 +146,8 @@ def _child_main(max_chars: int, max_memory_bytes: int) -> None:
     for line in sys.stdin.buffer:
         job = json.loads(line)
         try:
-            rendered, _ = render_jinja_template([job["messages"]], chat_template=job["template"],
+            rendered, _ = render_jinja_template([job["messages"]], tools=job.get("tools"),
+                                                chat_template=job["template"],
                                                 add_generation_prompt=job["add_generation_prompt"],
                                                 **job["variables"])
             text = rendered[0]

@@ -54,15 +54,16 @@ class TextWorker:
         return await self._run(self.tokenizer.decode, ids)
 
     async def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                       template: str | None = None) -> list[int]:
+                       template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools`: for a template that renders them itself (tandem.serve.tool_calls.prompt)."""
         self.check_chars((m["content"] for m in messages), "messages")
         if template is None:  # the model's own template: trusted, rendered here
-            return await self._run(self._render_and_encode, messages, add_generation_prompt)
+            return await self._run(self._render_and_encode, messages, add_generation_prompt, tools)
         if self.sandbox is None:
             raise bad_request("this server does not accept a chat_template in the request "
                               "(start it with --trust-request-chat-template)", "chat_template")
         try:
-            text = await self.sandbox.render(messages, template, add_generation_prompt)
+            text = await self.sandbox.render(messages, template, add_generation_prompt, tools)
         except TemplateError as e:
             raise bad_request(str(e), "chat_template") from e
         return await self._run(self._encode, text, False, "chat_template")
@@ -75,9 +76,10 @@ class TextWorker:
             raise bad_request(str(e), param) from e
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           tools: list[dict[str, Any]] | None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
