@@ -52,3 +52,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Streaming: the text and tokens that are new since the previous output of this request.
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

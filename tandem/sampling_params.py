@@ -36,7 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top-k
-    prompt_logprobs: None = None
+    # None: none; k >= 0: each prompt token's logprob (after the first) plus the top-k. Such a
+    # prompt is computed whole, not read from the prefix cache (its logits are needed).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # constrain the output to a grammar (engine/structured.py)
 
@@ -84,6 +86,8 @@ class SamplingParams:
              "min_tokens must be <= max_tokens"),
             (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative integers"),

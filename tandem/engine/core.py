@@ -45,6 +45,8 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    # With the first output token of a request that asked: its prompt tokens' logprobs, from the second.
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,9 +183,17 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self._fail(sched, errors) if errors else []
         drafts = {s.request.request_id: len(s.request.spec_token_ids) for s in sched.scheduled}
+        if result.prompt_logprobs:
+            for s in sched.scheduled:
+                s.request.prompt_logprobs.update(result.prompt_logprobs.get(s.request.request_id, []))
         changed = self.scheduler.update_from_output(sched, result.sampled)
         for r, new in changed:
             self.num_generation_tokens += len(new)
+            prompt_lps = None
+            if r.sampling_params.prompt_logprobs is not None and not r.prompt_logprobs_sent and new and \
+                    len(r.prompt_logprobs) == r.num_prompt_tokens - 1:  # scored here, every position
+                prompt_lps = [r.prompt_logprobs[p] for p in range(1, r.num_prompt_tokens)]
+                r.prompt_logprobs, r.prompt_logprobs_sent = {}, True
             if self.structured is not None:
                 self.structured.advance(r.request_id, new)
                 if r.is_finished:
@@ -191,7 +201,7 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 r.request_id, new, result.logprobs.get(r.request_id, [])[:len(new)], r.status.finish_reason,
                 r.stop_reason, r.num_cached_tokens, r.num_preemptions, r.scheduled_time, r.first_token_time,
-                r.finish_time))
+                r.finish_time, prompt_logprobs=prompt_lps))
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
         # A decode with drafts computes several tokens too, but it is no prompt work.
@@ -250,6 +260,7 @@ class EngineCore:
                 continue
             merged.sampled.update(part.sampled)
             merged.logprobs.update(part.logprobs)
+            merged.prompt_logprobs.update(part.prompt_logprobs)
         return merged, errors
 
     def _fail(self, sched: SchedulerOutput, errors: dict[str, str]) -> list[EngineCoreOutput]:

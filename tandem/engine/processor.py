@@ -127,6 +127,7 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     seqs: dict[str, _Sequence]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -174,6 +175,8 @@ class OutputProcessor:
             seq = parent.seqs[out.request_id]
             if self._update(seq, out):
                 to_abort.append(out.request_id)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *(_entry(lp) for lp in out.prompt_logprobs)]  # the first: none
             changed[parent_id] = parent
         results = []
         for parent in changed.values():
@@ -216,10 +219,7 @@ class OutputProcessor:
     @staticmethod
     def _add_logprob(seq: _Sequence, lp: SampleLogprobs) -> None:
         assert seq.logprobs is not None and seq.cumulative_logprob is not None
-        top = zip(lp.top_ids, lp.top_logprobs, strict=True)
-        entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(top)}
-        entry.setdefault(lp.token_id, Logprob(lp.token_logprob, lp.token_rank))
-        seq.logprobs.append(entry)
+        seq.logprobs.append(_entry(lp))
         seq.cumulative_logprob += lp.token_logprob
 
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
@@ -241,7 +241,7 @@ class OutputProcessor:
                                  max((s.finish_time or 0.0 for s in seqs), default=None) if finished else None,
                                  seqs[0].num_cached_tokens, sum(s.num_preemptions for s in seqs))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             metrics, seqs[0].num_cached_tokens, deltas)
+                             metrics, seqs[0].num_cached_tokens, deltas, parent.prompt_logprobs)
 
     def _finish_parent(self, parent: _Parent) -> RequestOutput:
         for child in parent.seqs:
@@ -251,3 +251,11 @@ class OutputProcessor:
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)
+
+
+def _entry(lp: SampleLogprobs) -> dict[int, Logprob]:
+    """{token id: Logprob}: the top tokens by rank, and the scored token with its own rank."""
+    top = zip(lp.top_ids, lp.top_logprobs, strict=True)
+    entry = {tid: Logprob(v, rank + 1) for rank, (tid, v) in enumerate(top)}
+    entry.setdefault(lp.token_id, Logprob(lp.token_logprob, lp.token_rank))
+    return entry

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.sampler import SampleLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +61,10 @@ class Request:
     stop_reason: int | str | None = None
     # Draft tokens proposed for the next step (speculative decoding); not yet part of the output.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs by the position of the token they score (1..prompt length - 1), filled chunk
+    # by chunk, sent once with the first output token.
+    prompt_logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -64,6 +72,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to compute (so no prefix-cache hit may skip a token). One
+        that arrives with output (a decode worker's) had its prompt scored where it was prefilled."""
+        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent \
+            and not self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

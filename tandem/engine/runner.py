@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
-from tandem.engine.sampler import SampleLogprobs, sample
+from tandem.engine.sampler import SampleLogprobs, sample, token_logprobs
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
@@ -40,6 +40,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[SampleLogprobs]]
     timings: StepTimings
+    # Requests that asked for prompt logprobs: (position of the scored token, its logprobs) this step.
+    prompt_logprobs: dict[str, list[tuple[int, SampleLogprobs]]] = field(default_factory=dict)
 
 
 def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
@@ -89,12 +91,18 @@ class ModelRunner:
         sampling: list[Request] = []
         drafts: list[list[int]] = []
         logits_indices: list[int] = []
+        prompt_rows: list[int] = []  # rows scoring the next prompt token (prompt_logprobs)
+        prompt_scored: list[tuple[Request, int]] = []
         offset = 0
         for row, s in enumerate(items):
             r, start = s.request, s.request.num_computed_tokens
             block_tables[row, :len(s.block_ids)] = s.block_ids
             tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
             input_ids.extend(tokens[start:start + s.num_new_tokens])
+            if r.wants_prompt_logprobs:  # position p's logits score prompt token p + 1
+                for p in range(start, min(start + s.num_new_tokens, r.num_prompt_tokens - 1)):
+                    prompt_rows.append(offset + p - start)
+                    prompt_scored.append((r, p + 1))
             offset += s.num_new_tokens
             if start + s.num_new_tokens >= len(tokens):  # reached the end: this request samples
                 # One row for its next token, and one after each of its drafts (verification).
@@ -102,7 +110,8 @@ class ModelRunner:
                 sampling.append(r)
                 drafts.append(r.spec_token_ids[:n])
                 logits_indices.extend(range(offset - 1 - n, offset))
-        rows = np.asarray(logits_indices, dtype=np.int64)
+        num_sampling_rows = len(logits_indices)
+        rows = np.asarray(logits_indices + prompt_rows, dtype=np.int64)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
                                         self.device, rows, compact_prefill_blocks=self.kv_quantized)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -125,6 +134,13 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
+        prompt_lps: dict[str, list[tuple[int, SampleLogprobs]]] = {}
+        if prompt_rows:
+            scored = token_logprobs(logits[num_sampling_rows:].cpu(), [r.all_token_ids[p] for r, p in prompt_scored],
+                                    [r.sampling_params.prompt_logprobs or 0 for r, _ in prompt_scored])
+            for (r, p), lp in zip(prompt_scored, scored, strict=True):
+                prompt_lps.setdefault(r.request_id, []).append((p, lp))
+            logits = logits[:num_sampling_rows]
         if sampling:
             logits = apply_masks(logits.cpu(), masks.result() if masks is not None else None)
             out = sample(logits, sampling, drafts if any(drafts) else None)
@@ -133,4 +149,4 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[r.request_id] = lp
         t3 = time.perf_counter()
-        return RunnerOutput(sampled, logprobs, StepTimings(t1 - t0, t2 - t1, t3 - t2))
+        return RunnerOutput(sampled, logprobs, StepTimings(t1 - t0, t2 - t1, t3 - t2), prompt_lps)

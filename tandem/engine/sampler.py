@@ -179,6 +179,19 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     return SamplerOutput(token_ids, _logprobs(raw_logits, params, row_tokens, kept_rows, drafts))
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[SampleLogprobs]:
+    """logits [R, V]: row i's logprob of token_ids[i], its rank, and its top tops[i] tokens."""
+    lp = logits.float().log_softmax(-1)
+    k = max(tops, default=0)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    targets = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
+    chosen = lp.gather(1, targets)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    values = chosen.squeeze(1).tolist()
+    return [SampleLogprobs(t, values[i], ranks[i], top_ids[i, :tops[i]].tolist(), top_vals[i, :tops[i]].tolist())
+            for i, t in enumerate(token_ids)]
+
+
 def _logprobs(raw_logits: torch.Tensor, params: list[SamplingParams], row_tokens: list[int], kept_rows: list[int],
               drafts: list[list[int]]) -> list[list[SampleLogprobs] | None]:
     """Logprobs of the model's distribution at each emitted token, before any sampling
@@ -186,15 +199,9 @@ def _logprobs(raw_logits: torch.Tensor, params: list[SamplingParams], row_tokens
     want = [i for i in kept_rows if params[i].logprobs is not None]
     by_row: dict[int, SampleLogprobs] = {}
     if want:
-        lp = raw_logits[want].float().log_softmax(-1)
-        k = max(params[i].logprobs or 0 for i in want)
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        for n, i in enumerate(want):
-            top = params[i].logprobs or 0
-            token_lp = lp[n, row_tokens[i]]
-            rank = int((lp[n] > token_lp).sum().item()) + 1
-            by_row[i] = SampleLogprobs(row_tokens[i], token_lp.item(), rank, top_ids[n, :top].tolist(),
-                                       top_vals[n, :top].tolist())
+        scored = token_logprobs(raw_logits[want], [row_tokens[i] for i in want],
+                                [params[i].logprobs or 0 for i in want])
+        by_row = dict(zip(want, scored, strict=True))
     out: list[list[SampleLogprobs] | None] = []
     first = 0
     for d in drafts:

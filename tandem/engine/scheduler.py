@@ -265,7 +265,7 @@ class Scheduler:
             step.add(request, num_new)
             return num_new
         hits, num_hit_tokens = [], 0
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0 and not request.wants_prompt_logprobs:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_external = self.connector.num_loadable_tokens(request, num_hit_tokens)
             if num_external:

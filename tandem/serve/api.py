@@ -315,7 +315,10 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
                         continue
                     lp_entries = out.logprobs[len(out.logprobs) - len(tokens):] if out.logprobs is not None \
                         else None
-                    choice = fmt.chunk_choice(index, text, tokens, lp_entries, num_top, finish,
+                    lp_tokens = tokens
+                    if first and echo_texts is not None and item.prompt_logprobs is not None and lp_entries is not None:
+                        lp_tokens, lp_entries = item.prompt_token_ids + tokens, item.prompt_logprobs + lp_entries
+                    choice = fmt.chunk_choice(index, text, lp_tokens, lp_entries, num_top, finish,
                                               out.stop_reason if finish else None, role=first and fmt.chat)
                     if choice is not None:
                         choices.append(choice)
@@ -388,6 +391,8 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = make_params(body, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens are scored too (log-likelihoods)
+            params.prompt_logprobs = body.logprobs
         await check_structured(params)
         call = call_for(request, body)
         admit(call, len(body.prompts()), params)  # before any tokenizing: a refusal costs next to nothing
@@ -412,8 +417,9 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         choices = []
         for i, final in enumerate(finals):
             for out in final.outputs:
-                text = (echo[i] if echo else "") + out.text
-                choices.append(fmt.choice(i * params.n + out.index, out, text, num_top))
+                shown = (echo[i] if echo else "") + out.text  # (not `text`: that is the TextWorker)
+                echoed = (final.prompt_token_ids, final.prompt_logprobs) if echo and final.prompt_logprobs else None
+                choices.append(fmt.choice(i * params.n + out.index, out, shown, num_top, echoed))
         n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
         return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)))
 

@@ -27,8 +27,9 @@ class Formatter:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     # -- logprobs -----------------------------------------------------------------------------
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int,
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None] | None, num_top: int,
                  text_offset: int = 0) -> dict[str, Any] | None:
+        """`entries` may hold None (an echoed prompt's first token: nothing scored it)."""
         if entries is None:
             return None
         if self.chat:
@@ -45,16 +46,20 @@ class Formatter:
         for tid, entry in zip(token_ids, entries, strict=False):
             tok = self._token_str(tid)
             tokens.append(tok)
-            token_lps.append(entry[tid].logprob)
-            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
-            tops.append({self._token_str(t): lp.logprob for t, lp in top})
+            token_lps.append(entry[tid].logprob if entry is not None else None)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top] if entry is not None else None
+            tops.append({self._token_str(t): lp.logprob for t, lp in top} if top is not None else None)
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- whole responses ----------------------------------------------------------------------
-    def choice(self, index: int, out: CompletionOutput, text: str, num_top: int) -> dict[str, Any]:
+    def choice(self, index: int, out: CompletionOutput, text: str, num_top: int,
+               echoed: tuple[list[int], list[dict[int, Logprob] | None]] | None = None) -> dict[str, Any]:
+        """`echoed`: the prompt's tokens and logprobs, ahead of the output's (completions' echo)."""
         lp = self.logprobs(out.token_ids, out.logprobs, num_top)
+        if echoed is not None and out.logprobs is not None:
+            lp = self.logprobs(echoed[0] + out.token_ids, echoed[1] + out.logprobs, num_top)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = out.finish_reason
@@ -84,7 +89,8 @@ class Formatter:
     def chunk_choice(self, index: int, text: str, token_ids: list[int], entries: list[dict[int, Logprob]] | None,
                      num_top: int, finish_reason: str | None, stop_reason: int | str | None = None,
                      role: bool = False) -> dict[str, Any] | None:
-        """None when there is nothing to send yet (text held back as maybe part of a tool call)."""
+        """None when there is nothing to send yet (text held back as maybe part of a tool call).
+        An echoed prompt's tokens and logprobs come first in token_ids and entries."""
         lp = self.logprobs(token_ids, entries, num_top)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
