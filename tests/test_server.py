@@ -94,7 +94,10 @@ def test_completion_features(client: openai.OpenAI) -> None:
                                     echo=True, logprobs=2, seed=3)
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.choices[0].text.startswith("Hello") and out.choices[2].text.startswith("Goodbye")
-    assert len(out.choices[0].logprobs.tokens) == 5 and len(out.choices[0].logprobs.top_logprobs[0]) == 2
+    # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): "Hello" is one token, unscored.
+    echoed = out.choices[0].logprobs
+    assert echoed.tokens[0] == "Hello" and echoed.token_logprobs[0] is None and len(echoed.tokens) == 1 + 5
+    assert all(len(top) == 2 for top in echoed.top_logprobs[1:])
     out = client.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
     assert out.usage.prompt_tokens == 3
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
