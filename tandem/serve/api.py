@@ -378,6 +378,18 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
         assert engine.info is not None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's settings, as vLLM serves them: what lm-eval's remote tokenizer reads (its
+        special tokens and chat template), so an evaluation needs no copy of the tokenizer."""
+        need_text()
+        assert engine.info is not None
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        special = {name: getattr(tokenizer, name, None) for name in names}
+        return {"tokenizer_class": type(tokenizer).__name__, **special, "chat_template": model_template,
+                "model_max_length": engine.info.max_model_len, "vocab_size": engine.info.vocab_size,
+                "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False))}
+
     @app.post("/detokenize")
     async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)

@@ -1,0 +1,87 @@
+"""lm-evaluation-harness against the server, offline: `local-completions` with the remote tokenizer
+(GET /tokenizer_info, /tokenize, /detokenize) scores the shipped task (evals/tandem_python) by
+log-likelihood (echo + prompt logprobs), and every item's choice and every continuation's
+log-likelihood equal the same harness's on transformers with the same weights; and
+`local-chat-completions` runs a generative task through the chat API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from server_utils import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = ROOT / "evals/tandem_python"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+
+
+@pytest.fixture(scope="module")
+def server():  # noqa: ANN201
+    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as s:
+        yield s
+
+
+def evaluate(model: object, tasks: list[str], chat: bool = False, model_args: dict | None = None) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args or None, tasks=tasks, log_samples=True,
+                                   apply_chat_template=chat, task_manager=TaskManager(include_path=str(TASKS)),
+                                   random_seed=0)
+
+
+def per_item(result: dict, task: str) -> list[list[float]]:
+    """Each item's continuations' log-likelihoods, in document order."""
+    samples = sorted(result["samples"][task], key=lambda s: s["doc_id"])
+    return [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
+
+
+def test_the_shipped_task_scores_the_same_as_on_transformers(server, hf_reference, default_model_path: Path) -> None:  # noqa: ANN001
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    ours = evaluate("local-completions", ["tandem_python"], model_args={
+        "base_url": f"{server.url}/v1/completions", "model": "SmolLM2-135M-Instruct",
+        "tokenizer_backend": "remote", "num_concurrent": 2, "max_retries": 1})
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=tokenizer, batch_size=8), ["tandem_python"])
+    a, b = per_item(ours, "tandem_python"), per_item(theirs, "tandem_python")
+    assert len(a) == len(b) == sum(1 for _ in (TASKS / "python_mc.jsonl").open())
+    for item, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.index(max(x)) == y.index(max(y)), item  # the same choice
+        assert max(abs(p - q) for p, q in zip(x, y, strict=True)) < 2e-3, (item, x, y)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tandem_python"][metric] == theirs["results"]["tandem_python"][metric]
+    assert 0.4 < ours["results"]["tandem_python"]["acc,none"] <= 1.0  # well above chance (0.25)
+
+
+def test_chat_completions_generate_what_transformers_generates(server, hf_reference,  # noqa: ANN001
+                                                                default_model_path: Path) -> None:
+    """local-chat-completions on the generative task (greedy, through the chat template): every
+    reply equals the harness's own generation on transformers with the same template."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    ours = evaluate("local-chat-completions", ["tandem_python_gen"], chat=True, model_args={
+        "base_url": f"{server.url}/v1/chat/completions", "model": "SmolLM2-135M-Instruct",
+        "tokenizer_backend": "none", "num_concurrent": 2, "max_retries": 1})
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=tokenizer, batch_size=1), ["tandem_python_gen"],
+                      chat=True)
+    replies = [[s["resps"][0][0] for s in sorted(r["samples"]["tandem_python_gen"], key=lambda s: s["doc_id"])]
+               for r in (ours, theirs)]
+    assert len(replies[0]) == sum(1 for line in (TASKS / "python_mc.jsonl").open() if "Zen of Python" in line)
+    assert any(replies[0]) and replies[0] == replies[1], list(zip(*replies, strict=True))
+    assert ours["results"]["tandem_python_gen"]["exact_match,none"] == \
+        theirs["results"]["tandem_python_gen"]["exact_match,none"]
