@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tandem.kv.layout import is_quantized, quantize_rows, readable
 from tandem.ops.paged_attention import (
+    attention_math,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_kernel_supports,
@@ -46,6 +46,7 @@ class PrefillGroup:
     shape: tuple[int, int]  # (B, Q)
     gather: torch.Tensor | None = None  # [B, L] pool slot of every key; None for a causal group
     mask: torch.Tensor | None = None  # [B, 1, Q, L] bool, True = attend
+    query_pos: torch.Tensor | None = None  # [B, 1, Q, 1] each query's position (padding: 0), for a window
 
 
 @dataclass
@@ -165,6 +166,8 @@ def _padded_group(q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np
     mask[:, :, 0] = True  # padded query rows attend one key rather than none (avoids NaN rows)
     group.gather = torch.from_numpy(gather).to(device)
     group.mask = torch.from_numpy(mask[:, None]).to(device)
+    live = np.arange(q)[None, :] < q_lens[:, None]  # padding at position 0 keeps key 0 in any window
+    group.query_pos = torch.from_numpy(np.where(live, query_pos, 0)[:, None, :, None]).to(device)
     return group
 
 
@@ -192,8 +195,10 @@ def _from_grid(out: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the new tokens; returns [T, H, D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for the new tokens; returns [T, H, D]. window > 0: each query
+    sees its last `window` keys (a sliding-window layer); softcap > 0: scores are soft-capped."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     # Both kernels write their rows of one output, so the halves are never concatenated.
@@ -201,7 +206,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decode_tokens
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                               out=out[:nd])
+                               out=out[:nd], window=window, softcap=softcap)
     if meta.num_prefills:
         qp = q[nd:]
         quantized = is_quantized(k_cache)
@@ -211,7 +216,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             k_cache, v_cache = (readable(c[meta.prefill_blocks], q.dtype) for c in (k_cache, v_cache))
         if prefill_kernel_supports(qp, k_cache, v_cache):
             paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
-                                    meta.prefill_seq_lens, scale, out=out[nd:])
+                                    meta.prefill_seq_lens, scale, out=out[nd:], window=window, softcap=softcap)
         else:
             kp, vp = k[nd:], v[nd:]
             if quantized:  # the fallback's causal group reads the new rows directly: as the pool holds them
@@ -220,12 +225,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             k_flat = k_cache.view(-1, num_kv_heads, head_dim)
             v_flat = v_cache.view(-1, num_kv_heads, head_dim)
             out[nd:] = _prefill_attention_torch(qp, kp, vp, k_flat, v_flat, meta.prefill_groups(), scale,
-                                                q.shape[1] != num_kv_heads)
+                                                window, softcap)
     return out
 
 
 def paged_attention_sampled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Like paged_attention, but the output holds only meta.sampled_rows: [S, H, D]. Every row's K/V
     goes into the pool; each sampled row attends as one query over keys [0, its position]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -233,24 +239,32 @@ def paged_attention_sampled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     if not len(meta.sampled_rows):
         return q.new_empty(0, *q.shape[1:])
     return paged_decode_attention(q[meta.sampled_rows], k_cache, v_cache, meta.sampled_block_tables,
-                                  meta.sampled_seq_lens, scale)
+                                  meta.sampled_seq_lens, scale, window=window, softcap=softcap)
 
 
 def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k_flat: torch.Tensor,
-                             v_flat: torch.Tensor, groups: list[PrefillGroup], scale: float, gqa: bool) -> torch.Tensor:
+                             v_flat: torch.Tensor, groups: list[PrefillGroup], scale: float, window: int,
+                             softcap: float) -> torch.Tensor:
     out = qp.new_empty(qp.shape) if len(groups) > 1 else None
     for g in groups:  # one or two groups, whatever the number of requests
         qg = qp if g.tokens is None else qp[g.tokens]
         if g.gather is None:
             kg = kp if g.tokens is None else kp[g.tokens]
             vg = vp if g.tokens is None else vp[g.tokens]
-            res = F.scaled_dot_product_attention(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g),
-                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+            mask = None
+            if window > 0:  # causal within the window: keys (i - window, i]
+                mask = torch.ones(g.shape[1], g.shape[1], dtype=torch.bool, device=qp.device).tril()
+                mask &= ~mask.tril(-window)
+            res = attention_math(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g), mask, scale, softcap,
+                                 is_causal=mask is None)
         else:
             keys = k_flat[g.gather].transpose(1, 2)  # [B, KVH, L, D]
             values = v_flat[g.gather].transpose(1, 2)
-            res = F.scaled_dot_product_attention(_to_grid(qg, g), keys, values, attn_mask=g.mask, scale=scale,
-                                                 enable_gqa=gqa)
+            mask = g.mask
+            if window > 0:
+                assert mask is not None and g.query_pos is not None
+                mask = mask & (torch.arange(mask.shape[-1], device=qp.device) > g.query_pos - window)
+            res = attention_math(_to_grid(qg, g), keys, values, mask, scale, softcap)
         res = _from_grid(res, g)
         if out is None:
             out = res

@@ -445,10 +445,37 @@ inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cach
 }
 
 // Fills the fields that the decode and prefill kernels' parameter structs share (same names).
+// The first key a query at position len - 1 sees: its last `window` keys (0: all of them).
+TANDEM_INLINE int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+#if defined(__AVX512F__)
+// soft_cap_scores for 16 scores: tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|), which
+// never overflows.
+TANDEM_INLINE __m512 soft_cap16(__m512 x, float cap) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.0f)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));
+}
+#endif
+
+// Gemma-style logit soft-capping of already-scaled scores: cap * tanh(s / cap) (cap > 0).
+TANDEM_INLINE void soft_cap_scores(float* s, int64_t n, float cap) {
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
 template <typename Params>
 void fill_common_params(Params& P, const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        double scale) {
+                        double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "attention: window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0.0, "attention: softcap must be >= 0 (0: none)");
+  P.window = window;
+  P.softcap = static_cast<float>(softcap);
   P.q = q.data_ptr();
   P.q_stride = q.stride(0);
   P.k = k_cache.data_ptr();

@@ -74,6 +74,8 @@ struct Params {
   int64_t d;
   int64_t q_stride;
   float scale;
+  int64_t window;  // > 0: each query sees its last `window` keys only (sliding-window layers)
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap) before the softmax
   float* part_m;    // [slots, H]
   float* part_l;    // [slots, H]
   float* part_acc;  // [slots, H, D]
@@ -103,6 +105,7 @@ void run_item(const Params& P, const Item& it, Scratch<KV>& S) {
   const int64_t CB = chunk_blocks(BS);
   const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const int64_t len = P.seq_lens[it.seq];
+  const int64_t lo = window_start(len, P.window);  // keys before it are outside the window
   const KV* kbase = static_cast<const KV*>(P.k) + it.kvh * HS;
   const KV* vbase = static_cast<const KV*>(P.v) + it.kvh * HS;
 
@@ -149,6 +152,14 @@ void run_item(const Params& P, const Item& it, Scratch<KV>& S) {
                      S.scores.data() + j * G * SS + off, SS, pf);
       off += n;
     }
+    // Only a sequence's first chunk can straddle the window's start (items begin at its block).
+    const int64_t hidden = std::min(ntok, lo - c0 * BS);
+    if (P.softcap > 0.0f || hidden > 0)
+      for (int64_t h = 0; h < nh; ++h) {
+        float* sh = S.scores.data() + h * SS;
+        if (P.softcap > 0.0f) soft_cap_scores(sh, ntok, P.softcap);
+        if (hidden > 0) std::fill_n(sh, hidden, kNegInf);
+      }
 
     for (int64_t h = 0; h < nh; ++h) {
       const float alpha = softmax_update(S.scores.data() + h * SS, ntok, S.m[h], S.l[h]);
@@ -223,7 +234,7 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
   // Validate the block tables on the host (cheap next to the attention itself) so a bad entry
   // raises instead of reading outside the pool.
   int64_t total_blocks = 0;
-  std::vector<int64_t> nblocks(n_seqs);
+  std::vector<int64_t> nblocks(n_seqs), first(n_seqs);  // first: the block holding the window's first key
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t len = P.seq_lens[s];
     TORCH_CHECK(len >= 0, "paged_decode_attention: negative seq_len");
@@ -234,7 +245,8 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
     for (int64_t b = 0; b < nblocks[s]; ++b)
       TORCH_CHECK(bt[b] >= 0 && bt[b] < num_blocks, "paged_decode_attention: block id ", bt[b],
                   " out of range [0, ", num_blocks, ")");
-    total_blocks += nblocks[s];
+    first[s] = window_start(len, P.window) / BS;
+    total_blocks += nblocks[s] - first[s];
   }
 
   // Work decomposition. An item reads whole token rows (all kv heads, contiguous in memory) when
@@ -258,19 +270,21 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
       std::fill(out, out + P.heads * P.d, static_cast<T>(0.0f));
       continue;
     }
-    const int64_t parts = (nblocks[s] + part_blocks - 1) / part_blocks;
+    const int64_t span = nblocks[s] - first[s];
+    const int64_t parts = (span + part_blocks - 1) / part_blocks;
     const int32_t seq = static_cast<int32_t>(s);
     for (int64_t k0 = 0; k0 < KVH; k0 += kv_per_chunk) {
       const int32_t k1 = static_cast<int32_t>(std::min(KVH, k0 + kv_per_chunk));
       if (parts == 1) {
-        items.push_back({seq, static_cast<int32_t>(k0), k1, 0, static_cast<int32_t>(nblocks[s]), -1});
+        items.push_back({seq, static_cast<int32_t>(k0), k1, static_cast<int32_t>(first[s]),
+                         static_cast<int32_t>(nblocks[s]), -1});
         continue;
       }
       // Slots hold all H heads, so the head chunks of one sequence share the same slots.
       splits.push_back({seq, static_cast<int32_t>(k0 * G), static_cast<int32_t>(k1 * G), slots,
                         static_cast<int32_t>(parts)});
       for (int64_t p = 0; p < parts; ++p) {
-        const int64_t b0 = p * part_blocks, b1 = std::min(nblocks[s], b0 + part_blocks);
+        const int64_t b0 = first[s] + p * part_blocks, b1 = std::min(nblocks[s], b0 + part_blocks);
         items.push_back({seq, static_cast<int32_t>(k0), k1, static_cast<int32_t>(b0), static_cast<int32_t>(b1),
                          slots + static_cast<int32_t>(p)});
       }
@@ -314,7 +328,7 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 // q may be a strided view (token rows of a fused qkv projection) as long as each row's heads are packed.
 at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                       at::Tensor& out) {
+                                       int64_t window, double softcap, at::Tensor& out) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode_attention: q must be [N, H, D]");
   const int64_t N = q_in.size(0);
   check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_decode_attention",
@@ -327,7 +341,7 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
   const at::Tensor bt = block_tables.contiguous();
   const at::Tensor sl = seq_lens.contiguous();
   Params P{};
-  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
+  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale, window, softcap);
 
   const bool int8_rows = k_cache.scalar_type() == at::kChar;
   if (q.scalar_type() == at::kFloat) {
@@ -341,10 +355,11 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q must be [N, H, D]");
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  return paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  return paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
 }
 
 // Which code path was compiled in (shown by the build script and the benchmark).
@@ -363,10 +378,10 @@ std::string isa() {
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def(
       "paged_decode_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, *, Tensor(a!) out) -> Tensor(a!)");
+      "float scale, int window=0, float softcap=0.0, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("isa", &tandem_ops::isa);
 }
 

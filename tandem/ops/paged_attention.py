@@ -20,7 +20,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _fake_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -28,7 +28,8 @@ extension.register_fake("paged_decode_attention", _fake_decode)
 
 
 def _fake_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                  query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -86,12 +87,16 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of several new tokens per sequence over their paged K/V (already written).
 
     q: [T, H, D], sequence n's queries are rows query_start[n]:query_start[n + 1] (int32 [N + 1]);
     seq_lens: int32 [N], context plus new tokens, so query i of sequence n is at position
-    seq_lens[n] - q_len + i and sees keys [0, that position]. block_tables: int32 [N, max_blocks].
+    seq_lens[n] - q_len + i and sees keys [0, that position], or with window > 0 its last `window`
+    keys (a sliding-window layer); softcap > 0 caps the scaled scores at softcap * tanh(s / softcap).
+    block_tables: int32 [N, max_blocks].
     Returns [T, H, D] in q's dtype, written into ``out`` (contiguous, q's shape) when given.
     q may be a view with token rows any distance apart (heads packed). Requires
     prefill_kernel_supports(q, k_cache, v_cache).
@@ -99,9 +104,8 @@ def paged_prefill_attention(
     op = extension.op("paged_prefill_attention")
     if op is None:
         raise RuntimeError(f"paged prefill kernel unavailable: {extension.extension_error() or 'disabled'}")
-    if out is not None:
-        return op.out(q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale), out=out)
-    return op(q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale))
+    args = (q, k_cache, v_cache, block_tables, query_start, seq_lens, float(scale), int(window), float(softcap))
+    return op(*args) if out is None else op.out(*args, out=out)
 
 
 def paged_decode_attention(
@@ -112,6 +116,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V.
 
@@ -119,16 +125,16 @@ def paged_decode_attention(
     [..., D + 4] with their scales (tandem/kv/layout.py), H % KVH == 0; block_tables: int32
     [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
     Query head h reads kv head h // (H // KVH). The softmax is computed in float32. The result is
-    written into ``out`` (contiguous, q's shape and dtype) when given.
+    written into ``out`` (contiguous, q's shape and dtype) when given. window > 0: the query sees its
+    sequence's last `window` keys only; softcap > 0: scores are capped (see paged_prefill_attention).
     """
     if _kernel_supports(q, k_cache, v_cache, int8_cache=True):
         op = extension.op("paged_decode_attention")
         if op is not None:
             tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)  # no-ops when int32
-            if out is not None:
-                return op.out(q, k_cache, v_cache, tables, lens, float(scale), out=out)
-            return op(q, k_cache, v_cache, tables, lens, float(scale))
-    res = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            args = (q, k_cache, v_cache, tables, lens, float(scale), int(window), float(softcap))
+            return op(*args) if out is None else op.out(*args, out=out)
+    res = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     return res if out is None else out.copy_(res)
 
 
@@ -159,6 +165,8 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Pure-PyTorch reference path: one padded gather through the block tables, then masked SDPA."""
     n, h, d = q.shape
@@ -173,10 +181,29 @@ def paged_decode_attention_torch(
     # [N, blocks, BS, KVH, D] -> [N, KVH, L, D]
     k = readable(k_cache[table], q.dtype).reshape(n, length, kvh, d).transpose(1, 2)
     v = readable(v_cache[table], q.dtype).reshape(n, length, kvh, d).transpose(1, 2)
-    mask = (torch.arange(length, device=q.device) < lens[:, None])[:, None, None, :]  # [N, 1, 1, L]
+    keys = torch.arange(length, device=q.device)
+    mask = keys < lens[:, None]
+    if window > 0:
+        mask &= keys >= lens[:, None] - window
     # enable_gqa reads each kv head once for its query group (2x faster than repeat_interleave);
     # SDPA's CPU kernels accumulate the softmax in float32 for bf16 inputs.
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=kvh != h
-    )
-    return out.squeeze(2)
+    return attention_math(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
+
+
+def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [B, H, Q, D] x [B, KVH, L, D] (mask: bool, True = attend), or its arithmetic
+    written out when scores are soft-capped, which SDPA cannot do (float32 softmax)."""
+    gqa = k.shape[1] != q.shape[1]
+    if softcap <= 0:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                is_causal=is_causal, enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)

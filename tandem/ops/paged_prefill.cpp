@@ -87,6 +87,8 @@ void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
   const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
   const int64_t context = P.seq_lens[it.seq] - q_len;
   const int64_t first_pos = context + it.r0 / G, n_keys = context + (it.r0 + it.nr - 1) / G + 1;
+  // With a window, keys before the first row's window are nobody's; later rows mask their own.
+  const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
   const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
   const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
@@ -106,7 +108,7 @@ void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
   __m512 m = neg_inf, l = _mm512_setzero_ps();
   std::fill(S.o.begin(), S.o.end(), 0.0f);
 
-  for (int64_t key0 = 0; key0 < n_keys; key0 += kKeyChunk) {
+  for (int64_t key0 = lo_key; key0 < n_keys; key0 += kKeyChunk) {
     const int64_t nt = std::min(kKeyChunk, n_keys - key0);
     // q.k: scores of 16 rows per key, kKeyGroup keys at a time.
     for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup) {
@@ -122,15 +124,21 @@ void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
       for (int64_t j = 0; j < kKeyGroup && j0 + j < nt; ++j) {
         const int64_t t = key0 + j0 + j;
         __m512 sc = _mm512_mul_ps(acc[j], scale);
+        if (P.softcap > 0.0f) sc = soft_cap16(sc, P.softcap);
         if (t > first_pos) sc = _mm512_mask_mov_ps(sc, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(t), posv), neg_inf);
+        if (P.window > 0 && t + P.window <= n_keys - 1)  // outside the window of the rows at t + window or later
+          sc = _mm512_mask_mov_ps(sc, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(static_cast<int>(t + P.window))),
+                                  neg_inf);
         _mm512_storeu_ps(S.st.data() + (j0 + j) * 16, sc);
       }
     }
     // Online softmax, elementwise over the 16 rows.
     __m512 cmax = neg_inf;
     for (int64_t t = 0; t < nt; ++t) cmax = _mm512_max_ps(cmax, _mm512_loadu_ps(S.st.data() + t * 16));
-    const __m512 m_new = _mm512_max_ps(m, cmax);  // finite: key 0 is visible to every row
-    const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));  // m = -inf on the first chunk: the state is zero
+    // A row's max stays -inf until a chunk reaches its window; until then its state is zero.
+    const __m512 m_new = _mm512_max_ps(m, cmax);
+    const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ),
+                                             exp512(_mm512_sub_ps(m, m_new)));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < nt; ++t) {
       const __m512 sv = _mm512_loadu_ps(S.st.data() + t * 16);
@@ -176,7 +184,8 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
   }
   auto work = [&](const TileItem& a) {  // keys seen by the tile's last row
     const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
-    return context + (a.r0 + a.nr - 1) / P.group;
+    const int64_t last = context + (a.r0 + a.nr - 1) / P.group;
+    return P.window > 0 ? std::min<int64_t>(last, P.window + 16) : last;
   };
   std::stable_sort(items.begin(), items.end(), [&](const TileItem& a, const TileItem& b) { return work(a) > work(b); });
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -199,7 +208,8 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 // Writes into `out` ([T, H, D], contiguous, q's dtype), e.g. the prompt rows of a step's output.
 at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& query_start,
-                                        const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                                        const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                                        at::Tensor& out) {
   TORCH_CHECK(seq_lens.dim() == 1, "paged_prefill_attention: seq_lens must be [N]");
   const int64_t N = seq_lens.size(0);
   check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_prefill_attention");
@@ -215,7 +225,7 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
   if (T == 0) return out;
 
   PrefillParams P{};
-  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale);
+  fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale, window, softcap);
   P.query_start = qsl.data_ptr<int32_t>();
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
@@ -235,10 +245,11 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start,
-                                   const at::Tensor& seq_lens, double scale) {
+                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  return paged_prefill_attention_out(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out);
+  return paged_prefill_attention_out(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap,
+                                     out);
 }
 
 }  // namespace tandem_ops
@@ -246,10 +257,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-      "Tensor seq_lens, float scale) -> Tensor");
+      "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def(
       "paged_prefill_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start, Tensor seq_lens, float scale, *, Tensor(a!) out) -> Tensor(a!)");
+      "Tensor query_start, Tensor seq_lens, float scale, int window=0, float softcap=0.0, *, "
+      "Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -16,6 +16,8 @@ struct PrefillParams {
   const int32_t* seq_lens;     // [N], context + q_len
   int64_t max_blocks, bs, kvh, heads, group, d, q_stride;
   float scale;
+  int64_t window;  // > 0: query at position p sees keys (p - window, p] only
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap)
 };
 
 // The brgemm path (bf16): usable for this head_dim on this CPU, and the kernel itself.

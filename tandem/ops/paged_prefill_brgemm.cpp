@@ -103,7 +103,9 @@ void run_brgemm_item(const PrefillParams& P, const PrefillItemBrgemm& it, const 
   const __m512 scale = _mm512_set1_ps(P.scale), neg_inf = _mm512_set1_ps(kNegInf);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
-  for (int64_t c = 0; c * kBrgemmKeys < n_keys; ++c) {
+  // With a window, chunks before the first query's window are nobody's; rows mask the rest.
+  const int64_t c_lo = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) / kBrgemmKeys : 0;
+  for (int64_t c = c_lo; c * kBrgemmKeys < n_keys; ++c) {
     const int64_t key0 = c * kBrgemmKeys;
     const uint32_t* kp = kp_seq + (c * P.kvh + it.kvh) * chunk_elems;
     const uint32_t* vp = vp_seq + (c * P.kvh + it.kvh) * chunk_elems;
@@ -116,13 +118,17 @@ void run_brgemm_item(const PrefillParams& P, const PrefillItemBrgemm& it, const 
       __m512 vmax = neg_inf;
       for (int64_t j = 0; j < kBrgemmKeys / 16; ++j) {
         v[j] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * j), scale);
-        if (key0 + 16 * j + 15 > pos) {  // keys past the row's position are masked
-          const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + 16 * j)));
+        if (P.softcap > 0.0f) v[j] = soft_cap16(v[j], P.softcap);
+        const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + 16 * j)));
+        if (key0 + 16 * j + 15 > pos)  // keys past the row's position are masked
           v[j] = _mm512_mask_mov_ps(v[j], _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int>(pos))), neg_inf);
-        }
+        if (P.window > 0 && key0 + 16 * j + P.window <= pos)  // and keys before its window
+          v[j] = _mm512_mask_mov_ps(
+              v[j], _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int>(pos - P.window))), neg_inf);
         vmax = _mm512_max_ps(vmax, v[j]);
       }
-      const float m_new = std::max(S.m[r], _mm512_reduce_max_ps(vmax));  // finite: key 0 is always visible
+      // -inf until a chunk reaches the row's window (alpha below is then 0 and the state stays zero).
+      const float m_new = std::max(S.m[r], _mm512_reduce_max_ps(vmax));
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       bf16* pr = S.p.data() + r * kBrgemmKeys;
