@@ -1,5 +1,6 @@
-"""Tiny random Llama, Qwen2 and Qwen3 models built from configs: Tandem's logits match
-transformers' within tolerance, through the packed prefill path and the paged decode path."""
+"""Tiny random Llama, Mistral (sliding window), Qwen2, Qwen3 and Gemma 3 models built from configs:
+Tandem's logits match transformers' within tolerance, through the packed prefill path and the paged
+decode path, on prompts longer than the sliding windows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tandem import SamplingParams
 from tandem.model.attention import build_attention_metadata
@@ -23,6 +35,15 @@ CASES = {
                                                       tie_word_embeddings=True)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, tie_word_embeddings=False)),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)),
+    "mistral-window": (MistralForCausalLM, MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False)),
+    # Sliding layers (window 8: the prompts run past it) around a global one, each with its RoPE base;
+    # a score scale that is not head_dim's.
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3-softcap": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 2}, head_dim=32, sliding_window=6, final_logit_softcapping=3.0,
+        layer_types=["full_attention", "sliding_attention"])),
 }
 
 
@@ -98,7 +119,7 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
             torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral-window", "gemma3"])
 def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     path, ref = build(kind, tmp_path)
     llm = make_llm(model=str(path), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16)
@@ -111,3 +132,24 @@ def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm)
                                     pad_token_id=0)[0, len(p):].tolist()
             assert out.outputs[0].token_ids == expected
             assert out.outputs[0].text == ""  # no tokenizer in the directory
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral-window"])
+def test_sliding_window_with_prefix_caching(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
+    """Prompts sharing a 25-token head (three windows of 8) come back from the prefix cache, in
+    chunks of 6 tokens, and still generate what transformers generates: the cached blocks hold
+    every layer's K/V, the windows reach back into them."""
+    path, ref = build(kind, tmp_path)
+    llm = make_llm(model=str(path), dtype="float32", num_blocks=60, block_size=4, max_num_batched_tokens=6)
+    gen = np.random.default_rng(2)
+    head = gen.integers(0, COMMON["vocab_size"], 25).tolist()
+    prompts = [head + gen.integers(0, COMMON["vocab_size"], n).tolist() for n in (1, 7, 13)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert all(o.metrics.num_cached_tokens >= 24 for o in rest), [o.metrics.num_cached_tokens for o in rest]
+    with torch.inference_mode():
+        for p, out in zip(prompts, first + rest, strict=True):
+            expected = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(p):].tolist()
+            assert out.outputs[0].token_ids == expected

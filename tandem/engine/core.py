@@ -23,8 +23,8 @@ from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.layout import engine_kv_layout
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
+from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
-from tandem.model.llama import LlamaForCausalLM
 from tandem.ops.extension import extension_error, extension_isa, load_extension
 from tandem.spec.decoder import SpecDecoder
 from tandem.spec.profile import profile_step_cost, profiled_counts
@@ -92,7 +92,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_allocator: KVAllocator | None = None,
+    def __init__(self, config: EngineConfig, model: CausalLM, kv_allocator: KVAllocator | None = None,
                  connector: KVConnector | None = None, tokenizer: Any = None) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         if torch.device(config.model.device).type == "cpu":

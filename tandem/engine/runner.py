@@ -23,7 +23,7 @@ from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.kv.layout import engine_kv_layout
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import build_attention_metadata
-from tandem.model.llama import LlamaForCausalLM
+from tandem.model.causal_lm import CausalLM
 
 GiB = 1 << 30
 
@@ -62,7 +62,7 @@ def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: tor
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
+    def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
                  kv_allocator: KVAllocator | None = None, connector: KVConnector | None = None) -> None:
         self.model = model
         self.block_size = config.cache.block_size

@@ -1,4 +1,5 @@
-"""The shape of a Llama-family model, read from a HF config.json or from GGUF metadata."""
+"""The shape of a model (ArchConfig), and how the Llama family's is read from a HF config.json or
+from GGUF metadata; other families read theirs in their own module (model/registry.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ SUPPORTED_ARCHITECTURES = {
 
 @dataclass(frozen=True)
 class ArchConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | gemma3 (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +32,18 @@ class ArchConfig:
     qk_norm: bool = False  # Qwen3
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Per layer, its attention's sliding window (0: global); empty: every layer is global.
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float = 10000.0  # the RoPE base of the sliding-window layers (Gemma 3)
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
+    attn_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
+    attn_softcap: float = 0.0  # > 0: attention scores capped at softcap * tanh(s / softcap)
+    final_softcap: float = 0.0  # > 0: the same for the logits
+    hidden_act: str = "silu"  # the gated MLP's activation
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -50,8 +63,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
     if not known:
         raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     arch = known[0]
-    if arch == "mistral" and cfg.get("sliding_window"):
-        raise NotImplementedError("Mistral with a sliding window is not supported")
+    window = int(cfg.get("sliding_window") or 0) if arch == "mistral" else 0
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     return ArchConfig(
@@ -71,6 +83,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        layer_windows=(window,) * cfg["num_hidden_layers"] if window else (),
     )
 
 

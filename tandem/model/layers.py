@@ -7,8 +7,10 @@ hold the weights and tables.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tandem.model.arch import ArchConfig
 from tandem.model.linear import DENSE, Linear, LinearMethod
 from tandem.ops import fused
 
@@ -30,13 +32,23 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
+                 linear_factor: float = 1.0) -> None:
+        """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear")."""
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = inv_freq / linear_factor
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def of(cls, cfg: ArchConfig, dtype: torch.dtype, local: bool = False) -> RotaryEmbedding:
+        """The model's table; local: the sliding-window layers' own (Gemma 3: another base, unscaled)."""
+        if local:
+            return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, dtype)
+        return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, D] for a step's positions (looked up once per step, used by every layer)."""
@@ -44,14 +56,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matmul."""
+    """act(gate) * up with gate and up projections fused into one matmul: SwiGLU (silu), or GeGLU with
+    the tanh approximation of GELU (Gemma's gelu_pytorch_tanh)."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, gate_up: LinearMethod = DENSE,
-                 down: LinearMethod = DENSE) -> None:
+                 down: LinearMethod = DENSE, act: str = "silu") -> None:
         super().__init__()
-        self.intermediate = intermediate
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported MLP activation {act!r}")
+        self.intermediate, self.act = intermediate, act
         self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, gate_up)
         self.down_proj = Linear(intermediate, hidden, False, dtype, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(fused.silu_and_mul(h))
+        gate, up = h.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""The Llama family (Llama, SmolLM2, Mistral with its sliding window, Qwen2 with qkv bias, Qwen3
+with q/k norm), and the attention block other families reuse (model/gemma3.py).
 
 A pure function of the packed batch and the KV pool: token ids and attention metadata in,
 logits for the sampled positions out.
@@ -6,27 +7,27 @@ logits for the sampled positions out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, paged_attention, paged_attention_sampled
+from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from tandem.model.linear import DENSE, Embedding, Linear, LinearMethod, Weight
+from tandem.model.linear import DENSE, Embedding, Linear
 from tandem.ops import fused
-
-Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, prefix: str, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype,
                                methods.get(f"{prefix}qkv_proj", DENSE))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, methods.get(f"{prefix}o_proj", DENSE))
@@ -44,15 +45,16 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = fused.rotary(q, k, cos, sin)
         attend = paged_attention_sampled if sampled_only else paged_attention
-        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, prefix: str) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, layer: int) -> None:
         super().__init__()
+        prefix = f"layers.{layer}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, dtype, methods, f"{prefix}self_attn.")
+        self.self_attn = LlamaAttention(cfg, dtype, methods, f"{prefix}self_attn.", layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         mlp = f"{prefix}mlp."
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype,
@@ -75,32 +77,31 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
         """methods: per linear module (and embed_tokens), how it holds its weight; dense by default."""
         super().__init__()
         methods = methods or {}
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, methods, f"layers.{i}.")
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, methods, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
+        self.rotary = RotaryEmbedding.of(cfg, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
         # Set by the loader (model/fingerprint.py); a model built by hand is fingerprinted by its weights.
         self.fingerprint: int | None = None
 
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.rotary = RotaryEmbedding.of(self.cfg, self.norm.weight.dtype).to(device)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
                 logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        Returns logits (in the model's dtype) for the tokens at logits_indices only. after_layer(i) runs once layer
-        i's KV is in the pool (a disaggregated prefill ships it while the next layer computes).
-
-        When meta.sampled_rows is set (the same rows as logits_indices, fewer than all), the last layer
-        runs attention, o_proj and the MLP for those rows only: nothing reads the others' outputs."""
+        """See CausalLM.forward. When meta.sampled_rows is set (the same rows as logits_indices, fewer
+        than all), the last layer runs attention, o_proj and the MLP for those rows only: nothing reads
+        the others' outputs."""
         cos, sin = self.rotary.lookup(meta.positions)
         x, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
@@ -113,67 +114,3 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm.add_forward(x, residual)
         return self.lm_head(x)
-
-    @staticmethod
-    def weight_parts(cfg: ArchConfig) -> dict[str, list[str]]:
-        """Each linear module (and embed_tokens) -> the checkpoint tensors (HF names) it is made of:
-        q/k/v and gate/up are fused into one matmul each; a tied lm_head is the embedding."""
-        parts = {"embed_tokens": ["embed_tokens.weight"],
-                 "lm_head": ["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
-        for i in range(cfg.num_layers):
-            pre = f"layers.{i}."
-            parts[f"{pre}self_attn.qkv_proj"] = [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"]
-            parts[f"{pre}self_attn.o_proj"] = [f"{pre}self_attn.o_proj.weight"]
-            parts[f"{pre}mlp.gate_up_proj"] = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
-            parts[f"{pre}mlp.down_proj"] = [f"{pre}mlp.down_proj.weight"]
-        return parts
-
-    def load_weights(self, weights: Mapping[str, Weight]) -> None:
-        """Take HF-named tensors (q/k/v and gate/up separate; dense or quantized) into this layout."""
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
-        missing: list[str] = []
-        modules = dict(self.named_modules())
-        for name, parts in self.weight_parts(self.cfg).items():
-            layer = modules[name]
-            linear = layer.table if isinstance(layer, Embedding) else layer
-            if not all(p in weights for p in parts):
-                missing.append(name)
-                continue
-            if name == "lm_head" and self.cfg.tie_word_embeddings:
-                self._tie_head()
-                continue
-            try:
-                linear.method.load(linear, [weights[p] for p in parts])
-            except ValueError as e:
-                raise ValueError(f"weight {name}: {e}") from e
-            if linear.bias is not None:
-                biases = [p.replace(".weight", ".bias") for p in parts]
-                if not all(b in weights for b in biases):
-                    missing.append(f"{name}.bias")
-                    continue
-                linear.bias.data.copy_(torch.cat([weights[b] for b in biases]))
-        linears = {id(m) for m in modules.values() if isinstance(m, Linear)}
-        for name, param in self.named_parameters():
-            owner = modules[name.rsplit(".", 1)[0]]
-            if id(owner) in linears:
-                continue  # loaded above
-            if name not in weights:
-                missing.append(name)
-                continue
-            if weights[name].shape != param.shape:
-                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}")
-            param.data.copy_(weights[name])
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.method.finish(m)
-
-    def _tie_head(self) -> None:
-        """The lm_head reads the embedding's own storage (plan_linear_methods gives a quantized table's
-        head the same format; a dense table's head may pack its own copy)."""
-        table = self.embed_tokens.table
-        if hasattr(table, "qdata"):
-            self.lm_head.qdata = table.qdata
-        else:
-            self.lm_head.weight = table.weight

@@ -23,14 +23,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tandem.cache import cache_dir
 from tandem.config import QUANTIZATION_CHOICES
 from tandem.logs import startup
-from tandem.model.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config
+from tandem.model.arch import ArchConfig
+from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.gguf_index import GgufError, IndexedTensor, read_gguf
-from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weight_formats
-from tandem.model.llama import LlamaForCausalLM
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight, native_format
+from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Any | None  # a transformers tokenizer, or None for a directory without one
     arch: ArchConfig
     path: Path
@@ -88,13 +88,14 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, family: ModelFamily | None = None) -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
+    names = {**_GGUF_LAYER_NAMES, **(family.gguf_layer_names if family else {})}
     parts = name.split(".")  # blk.N.attn_q.weight
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in names:
         raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
-    return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -116,7 +117,11 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
 
     tensors, meta = _read_gguf(path)
     names = {t.name for t in tensors}
-    arch = arch_from_gguf_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
+    try:
+        family = family_for_gguf(meta.get("general.architecture"))
+        arch = family.arch_from_gguf(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     weights: dict[str, Weight] = {}
     with _progress() as progress:
         task = progress.add_task(path.name, total=len(tensors))
@@ -126,12 +131,12 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError) as e:
                 raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
-            if meta["general.architecture"] in ("llama", "mistral"):
+            if meta["general.architecture"] in family.gguf_rope_permuted:
                 if t.name.endswith("attn_q.weight"):
                     array = unpermute_rope(array, arch.num_heads)
                 elif t.name.endswith("attn_k.weight"):
                     array = unpermute_rope(array, arch.num_kv_heads)
-            name = gguf_to_hf_name(t.name)
+            name = gguf_to_hf_name(t.name, family)
             if fmt is not None:
                 weights[name] = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
             else:
@@ -166,9 +171,13 @@ def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
     try:
-        arch = arch_from_hf_config(json.loads(config_file.read_text()))
+        cfg = json.loads(config_file.read_text())
+        family = family_for_hf(cfg)
+        arch = family.arch_from_hf(cfg)
     except (json.JSONDecodeError, KeyError) as e:
         raise ModelLoadError(f"{config_file} is not a valid model config: {e}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from e
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")
@@ -179,7 +188,7 @@ def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                        weights[name] = f.get_tensor(name)
+                        weights[name] = family.hf_weight(name, f.get_tensor(name))
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise ModelLoadError(f"{file} is not a valid safetensors file: {e}") from e
             progress.advance(task)
@@ -232,14 +241,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
     name = DEFAULT_MODEL_NAME if model is None else (path.name if path.is_dir() else path.stem)
-    methods = plan_linear_methods(LlamaForCausalLM.weight_parts(arch), weights, dtype, torch.device(device),
+    cls = family_of(arch).model_cls
+    methods = plan_linear_methods(cls.weight_parts(arch), weights, dtype, torch.device(device),
                                   int8_activations=quantization == "gguf-q8")
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, dtype, methods)
+        net = cls(arch, dtype, methods)
     net = net.to_empty(device=device)
-    # The rotary tables are computed, not loaded: rebuild them on the real device.
-    net.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, dtype).to(device)
+    net.init_buffers(device)  # the rotary tables are computed, not loaded: on the real device
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()

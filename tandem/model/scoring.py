@@ -13,11 +13,11 @@ import torch
 
 from tandem.kv.layout import kv_layout
 from tandem.model.attention import build_attention_metadata
-from tandem.model.llama import LlamaForCausalLM
+from tandem.model.causal_lm import CausalLM
 
 
 @torch.inference_mode()
-def token_logprobs(model: LlamaForCausalLM, ids: list[int], kv_cache_dtype: str = "auto",
+def token_logprobs(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto",
                    block_size: int = 16) -> torch.Tensor:
     """log p(ids[i] | ids[:i]) for i >= 1, in float32, with the KV held as kv_cache_dtype says."""
     cfg = model.cfg
@@ -34,7 +34,7 @@ def token_logprobs(model: LlamaForCausalLM, ids: list[int], kv_cache_dtype: str 
     return logp.gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
 
 
-def perplexity(model: LlamaForCausalLM, ids: list[int], kv_cache_dtype: str = "auto") -> float:
+def perplexity(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto") -> float:
     return math.exp(-token_logprobs(model, ids, kv_cache_dtype).mean().item())
 
 

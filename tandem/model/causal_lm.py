@@ -1,0 +1,101 @@
+"""What every decoder-only family shares: the checkpoint's linear layers fused the same way (q/k/v
+and gate/up into one matmul each), loading HF-named weights into that layout, a tied head, and the
+forward contract the model runner calls (model/llama.py, model/gemma3.py implement it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from tandem.model.arch import ArchConfig
+from tandem.model.attention import AttentionMetadata
+from tandem.model.linear import Embedding, Linear, LinearMethod, Weight
+
+Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
+
+
+class CausalLM(nn.Module):
+    """A family's model: subclasses build embed_tokens, layers, norm and lm_head from an ArchConfig
+    and their rotary tables in init_buffers."""
+
+    cfg: ArchConfig
+    embed_tokens: Embedding
+    lm_head: Linear
+    fingerprint: int | None
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
+                logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        Returns logits (in the model's dtype) for the tokens at logits_indices only. after_layer(i) runs once layer
+        i's KV is in the pool (a disaggregated prefill ships it while the next layer computes)."""
+        raise NotImplementedError
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the tables that are not weights (rotary cos/sin) on device, after a meta-device build."""
+        raise NotImplementedError
+
+    @staticmethod
+    def weight_parts(cfg: ArchConfig) -> dict[str, list[str]]:
+        """Each linear module (and embed_tokens) -> the checkpoint tensors (HF names) it is made of:
+        q/k/v and gate/up are fused into one matmul each; a tied lm_head is the embedding."""
+        parts = {"embed_tokens": ["embed_tokens.weight"],
+                 "lm_head": ["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
+        for i in range(cfg.num_layers):
+            pre = f"layers.{i}."
+            parts[f"{pre}self_attn.qkv_proj"] = [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"]
+            parts[f"{pre}self_attn.o_proj"] = [f"{pre}self_attn.o_proj.weight"]
+            parts[f"{pre}mlp.gate_up_proj"] = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+            parts[f"{pre}mlp.down_proj"] = [f"{pre}mlp.down_proj.weight"]
+        return parts
+
+    def load_weights(self, weights: Mapping[str, Weight]) -> None:
+        """Take HF-named tensors (q/k/v and gate/up separate; dense or quantized) into this layout."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        missing: list[str] = []
+        modules = dict(self.named_modules())
+        for name, parts in self.weight_parts(self.cfg).items():
+            layer = modules[name]
+            linear = layer.table if isinstance(layer, Embedding) else layer
+            if not all(p in weights for p in parts):
+                missing.append(name)
+                continue
+            if name == "lm_head" and self.cfg.tie_word_embeddings:
+                self._tie_head()
+                continue
+            try:
+                linear.method.load(linear, [weights[p] for p in parts])
+            except ValueError as e:
+                raise ValueError(f"weight {name}: {e}") from e
+            if linear.bias is not None:
+                biases = [p.replace(".weight", ".bias") for p in parts]
+                if not all(b in weights for b in biases):
+                    missing.append(f"{name}.bias")
+                    continue
+                linear.bias.data.copy_(torch.cat([weights[b] for b in biases]))
+        linears = {id(m) for m in modules.values() if isinstance(m, Linear)}
+        for name, param in self.named_parameters():
+            owner = modules[name.rsplit(".", 1)[0]]
+            if id(owner) in linears:
+                continue  # loaded above
+            if name not in weights:
+                missing.append(name)
+                continue
+            if weights[name].shape != param.shape:
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(weights[name])
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.method.finish(m)
+
+    def _tie_head(self) -> None:
+        """The lm_head reads the embedding's own storage (plan_linear_methods gives a quantized table's
+        head the same format; a dense table's head may pack its own copy)."""
+        table = self.embed_tokens.table
+        if hasattr(table, "qdata"):
+            self.lm_head.qdata = table.qdata
+        else:
+            self.lm_head.weight = table.weight
