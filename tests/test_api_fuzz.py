@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 # the context) to seconds on two cores; a 408 is a 4xx like any other.
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "128",
                "--request-timeout", "3")
-OPERATIONS = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "GET /v1/cluster", "POST /tokenize",
-              "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"]
+OPERATIONS = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "GET /v1/cluster",
+              "GET /tokenizer_info", "POST /tokenize", "POST /detokenize", "POST /v1/completions",
+              "POST /v1/chat/completions"]
 MAX_EXAMPLES = 30
 
 
