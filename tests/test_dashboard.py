@@ -125,8 +125,9 @@ def test_dashboard_renders_the_deployment_and_updates_under_load(deployment: Ser
         wait_for(lambda: int(driver.find_element(By.TAG_NAME, "body").get_attribute("data-polls")) > 0, 20,
                  "the first poll")
 
-        nodes = driver.find_elements(By.CSS_SELECTOR, "#map g.worker")
-        roles = sorted((n.get_attribute("data-role"), n.get_attribute("data-state")) for n in nodes)
+        # Read in one script: the map is redrawn on every poll, so elements found earlier go stale.
+        roles = sorted(tuple(r) for r in driver.execute_script(
+            "return [...document.querySelectorAll('#map g.worker')].map(n => [n.dataset.role, n.dataset.state])"))
         assert roles == [("decode", "up"), ("prefill", "up")]
         assert driver.find_elements(By.CSS_SELECTOR, "#map g.router")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#workers tbody tr")) == 2
