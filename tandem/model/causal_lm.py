@@ -11,19 +11,32 @@ from torch import nn
 
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata
-from tandem.model.linear import Embedding, Linear, LinearMethod, Weight
+from tandem.model.layers import RMSNorm, RotaryEmbedding
+from tandem.model.linear import DENSE, Embedding, Linear, LinearMethod, Weight
 
 Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
 
 
 class CausalLM(nn.Module):
-    """A family's model: subclasses build embed_tokens, layers, norm and lm_head from an ArchConfig
-    and their rotary tables in init_buffers."""
+    """A family's model: the embedding, its decoder layers (layer_cls(cfg, dtype, methods, i)), the
+    final norm, the head and the global rotary table; subclasses add what else they hold and compute
+    their rotary tables again in init_buffers."""
 
-    cfg: ArchConfig
-    embed_tokens: Embedding
-    lm_head: Linear
-    fingerprint: int | None
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None,
+                 layer_cls: Callable[[ArchConfig, torch.dtype, Methods, int], nn.Module]) -> None:
+        """methods: per linear module (and embed_tokens), how it holds its weight; dense by default."""
+        super().__init__()
+        methods = methods or {}
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
+        self.layers = nn.ModuleList(layer_cls(cfg, dtype, methods, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
+        self.rotary = RotaryEmbedding.of(cfg, dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        # Set by the loader (model/fingerprint.py); a model built by hand is fingerprinted by its weights.
+        self.fingerprint: int | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
                 logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

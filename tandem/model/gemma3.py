@@ -19,7 +19,7 @@ from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from tandem.model.linear import DENSE, Embedding, Linear
+from tandem.model.linear import DENSE
 from tandem.model.llama import LlamaAttention
 
 # Gemma 3's layer pattern when a file does not spell it out (GGUF): every sixth layer is global.
@@ -59,18 +59,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
-        super().__init__()
-        methods = methods or {}
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, dtype, methods, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
-        self.rotary = RotaryEmbedding.of(cfg, dtype)
+        super().__init__(cfg, dtype, methods, Gemma3DecoderLayer)
         self.rotary_local = RotaryEmbedding.of(cfg, dtype, local=True)
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.fingerprint: int | None = None
 
     def init_buffers(self, device: torch.device | str) -> None:
         dtype = self.norm.weight.dtype

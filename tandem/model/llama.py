@@ -16,7 +16,7 @@ from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, paged_attention, paged_attention_sampled
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from tandem.model.linear import DENSE, Embedding, Linear
+from tandem.model.linear import DENSE, Linear
 from tandem.ops import fused
 
 
@@ -79,19 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
-        """methods: per linear module (and embed_tokens), how it holds its weight; dense by default."""
-        super().__init__()
-        methods = methods or {}
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, methods, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
-        self.rotary = RotaryEmbedding.of(cfg, dtype)
-        for p in self.parameters():
-            p.requires_grad_(False)
-        # Set by the loader (model/fingerprint.py); a model built by hand is fingerprinted by its weights.
-        self.fingerprint: int | None = None
+        super().__init__(cfg, dtype, methods, LlamaDecoderLayer)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.rotary = RotaryEmbedding.of(self.cfg, self.norm.weight.dtype).to(device)
