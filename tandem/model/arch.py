@@ -37,8 +37,7 @@ class ArchConfig:
     rope_local_theta: float = 10000.0  # the RoPE base of the sliding-window layers (Gemma 3)
     rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
     attn_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
-    attn_softcap: float = 0.0  # > 0: attention scores capped at softcap * tanh(s / softcap)
-    final_softcap: float = 0.0  # > 0: the same for the logits
+    final_softcap: float = 0.0  # > 0: logits capped at softcap * tanh(logit / softcap)
     hidden_act: str = "silu"  # the gated MLP's activation
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
 

@@ -27,7 +27,7 @@ class LlamaAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
-        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap
+        self.window = cfg.window(layer)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype,
                                methods.get(f"{prefix}qkv_proj", DENSE))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, methods.get(f"{prefix}o_proj", DENSE))
@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = fused.rotary(q, k, cos, sin)
         attend = paged_attention_sampled if sampled_only else paged_attention
-        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
+        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
