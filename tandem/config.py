@@ -118,7 +118,7 @@ SPECULATIVE_METHODS = ("ngram", "suffix")
 
 @dataclass
 class SpeculativeConfig:
-    """Model-free speculative decoding (tandem/spec/), shaped like vLLM's --speculative-config.
+    """Model-free speculative decoding (tandem/speculative/), shaped like vLLM's --speculative-config.
 
     ngram: prompt lookup, the tokens that followed the last prompt_lookup_max..min tokens earlier in
     the request. suffix: Arctic Inference's suffix decoding, the most frequent continuation of the

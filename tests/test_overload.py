@@ -1,5 +1,5 @@
 """Overload over a real server: a burst far past capacity gets 429s with Retry-After early, never a
-5xx or a hang, and everything admitted finishes. (The latency ratios are bench/hostile_traffic.py's.)"""
+5xx or a hang, and everything admitted finishes. (The latency ratios are benchmarks/hostile_traffic.py's.)"""
 
 from __future__ import annotations
 

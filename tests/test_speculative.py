@@ -22,10 +22,10 @@ from tandem import SamplingParams
 from tandem.config import SpeculativeConfig
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import sample
-from tandem.spec.matching import SEP, frequent_continuation, suffix_matches
-from tandem.spec.ngram import NgramProposer
-from tandem.spec.policy import SpecPolicy, StepCost
-from tandem.spec.suffix import SuffixProposer
+from tandem.speculative.matching import SEP, frequent_continuation, suffix_matches
+from tandem.speculative.ngram import NgramProposer
+from tandem.speculative.policy import SpecPolicy, StepCost
+from tandem.speculative.suffix import SuffixProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 6, "adaptive": False}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False}

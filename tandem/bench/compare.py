@@ -85,7 +85,7 @@ def compare_files(paths: Sequence[str | Path], fields: Sequence[str] | None = No
 
 
 def compare_html(paths: Sequence[str | Path], report: str | Path) -> Path:
-    """The runs on one HTML page (bench/html_report.py), with each run's per-request records when
+    """The runs on one HTML page (benchmarks/html_report.py), with each run's per-request records when
     they were saved next to it."""
     from tandem.bench import html_report
     from tandem.bench.report import load_records

@@ -26,8 +26,8 @@ from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.ops.extension import extension_error, extension_isa, load_extension
-from tandem.spec.decoder import SpecDecoder
-from tandem.spec.profile import profile_step_cost, profiled_counts
+from tandem.speculative.decoder import SpecDecoder
+from tandem.speculative.profile import profile_step_cost, profiled_counts
 
 log = logging.getLogger(__name__)
 

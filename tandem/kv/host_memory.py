@@ -3,7 +3,7 @@
 Decode attention reads each sequence's blocks from wherever the block table points, so over a
 pool of gigabytes nearly every block costs a TLB miss with 4 KiB pages (a bf16 block of this
 model's K is 6 KiB). With 2 MiB pages the same reads ran 7-20% faster on the development machine
-(bench/attention_op.py --compare-pages, both kinds of pool timed one after the other). Linux backs
+(benchmarks/attention_op.py --compare-pages, both kinds of pool timed one after the other). Linux backs
 an anonymous private mapping with huge pages when asked with madvise, even where the system-wide
 policy is "madvise" (the common default); the pages are still only committed when first written,
 so a large pool costs nothing until used unless it is prefaulted.

@@ -11,7 +11,7 @@ Up to 32 rows (decode at low concurrency) a linear layer is a weight stream, whi
 ~9-14 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at 11-16 GB/s.
 Such layers keep a second copy of the weight in that op's panel layout, so the linear weights take
 twice their size in memory (0.27 GB more for the default model) for 1.2-1.5x faster matmuls at
-decode batches of 1-32 (bench/small_batch_linear.py).
+decode batches of 1-32 (benchmarks/small_batch_linear.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-# Up to this many rows small_batch_linear is faster (bench/small_batch_linear.py). On AMX (Sapphire
+# Up to this many rows small_batch_linear is faster (benchmarks/small_batch_linear.py). On AMX (Sapphire
 # Rapids): 1.2-1.5x at 1-32 rows, 0.73x at 48, where a brgemm call past 32 rows falls off a cliff.
 # With dpbf16 only (Zen 4): 1.5-1.6x at 1-2 rows, 1.3-1.4x at 3-8, 1.12x at 32, 1.02x at 128, even at 256.
 SMALL_BATCH_ROWS = 32 if _has_amx() else 128

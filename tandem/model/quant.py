@@ -134,7 +134,7 @@ def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def gemm_rows() -> int:
     """Past this many rows the kernels lose to dequantizing the layer and one float32 GEMM
-    (bench/quantization.py --parts kernels). With AVX512 (16-wide FMAs) the float kernel matched or
+    (benchmarks/quantization.py --parts kernels). With AVX512 (16-wide FMAs) the float kernel matched or
     beat dequantize + GEMM up to 128 rows on the default model's shapes (960 x 576 at 128 rows: 1.48
     against 1.82 ms) and lost from ~256 (13.1 against 8.8 ms at 512 for 1728 x 576); on AVX2 the
     int8 kernel lost past 32. TANDEM_QUANT_GEMM_ROWS overrides it."""

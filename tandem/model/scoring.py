@@ -1,6 +1,6 @@
 """Log-likelihood of a text under a model: one prefill over a private KV pool, every position's logits.
 
-The accuracy checks of a quantized model (tests, bench/quantization.py) compare perplexities on the
+The accuracy checks of a quantized model (tests, benchmarks/quantization.py) compare perplexities on the
 same text with this.
 """
 

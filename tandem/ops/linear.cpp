@@ -4,7 +4,7 @@
 // those rows. oneDNN's matmul (behind F.linear and the pre-packed PackedLinear) read SmolLM2-135M's
 // 269 MB of linear and lm_head weights at 9-14 GB/s at 1-32 rows on the development machine,
 // against 18-22 GB/s for a plain streaming sum; this op reads them at 11-16 GB/s, 1.14-1.33x
-// faster (bench/small_batch_linear.py), and a batch-1 decode step went from ~37 to ~25-31 ms.
+// faster (benchmarks/small_batch_linear.py), and a batch-1 decode step went from ~37 to ~25-31 ms.
 //
 //   * W is packed once, at load time, into panels of kPanel = 32 output columns, each panel
 //     [K/2][32] bf16 pairs: one contiguous stream per panel, in the VNNI layout that both dpbf16

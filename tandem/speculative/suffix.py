@@ -20,8 +20,8 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from tandem.engine.request import Request, RequestStatus
-from tandem.spec.matching import SEP, TokenArray, frequent_continuation, suffix_matches
-from tandem.spec.proposer import NO_DRAFTS, Drafts
+from tandem.speculative.matching import SEP, TokenArray, frequent_continuation, suffix_matches
+from tandem.speculative.proposer import NO_DRAFTS, Drafts
 
 MAX_SHARED_TOKENS = 1 << 16  # per tenant: what one search of the shared history scans at most
 MAX_TENANTS = 256  # shared histories kept (least recently finished into dropped first)

@@ -6,12 +6,12 @@ serve` workloads:
     c8, c32        256 in / 128 out, concurrency 8 and 32
     long           2,048 in / 64 out, concurrency 16
 
-    .venv/bin/python bench/vs_llama_cpp.py --llama-server /work/llama/bin/llama-server
+    .venv/bin/python benchmarks/vs_llama_cpp.py --llama-server /work/llama/bin/llama-server
 
 llama.cpp is not a dependency: its source ships in the PyPI source distribution of llama-cpp-python
 (`pip download --no-deps --no-binary :all: llama-cpp-python`; `cmake -B build -DGGML_NATIVE=ON
 -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF && cmake --build build --target llama-server`).
-Results: bench/results/vs_llama_cpp/<server>-<workload>.json and a summary table (summary.json).
+Results: benchmarks/results/vs_llama_cpp/<server>-<workload>.json and a summary table (summary.json).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
     ap.add_argument("--startup-timeout", type=float, default=300)
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results/vs_llama_cpp")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results/vs_llama_cpp")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

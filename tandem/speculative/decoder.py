@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from tandem.config import SpeculativeConfig
 from tandem.engine.request import Request, RequestStatus
-from tandem.spec.policy import SpecPolicy, StepCost
-from tandem.spec.proposer import Proposer, make_proposer
+from tandem.speculative.policy import SpecPolicy, StepCost
+from tandem.speculative.proposer import Proposer, make_proposer
 
 
 @dataclass

@@ -2,14 +2,14 @@
 on this machine's roofline: the linear kernels, decode steps, prompt steps, and what the quantization
 costs in accuracy.
 
-    .venv/bin/python bench/quantization.py                       # everything, ~12 min on 2 cores
-    .venv/bin/python bench/quantization.py --parts kernels,steps  # some of it
-    .venv/bin/python bench/quantization.py --dtype bfloat16       # the model's dtype (default float32)
+    .venv/bin/python benchmarks/quantization.py                       # everything, ~12 min on 2 cores
+    .venv/bin/python benchmarks/quantization.py --parts kernels,steps  # some of it
+    .venv/bin/python benchmarks/quantization.py --dtype bfloat16       # the model's dtype (default float32)
 
 Floors are measured here, in this run: the memory bandwidth (a streaming read of 1 GiB) and the
 matmul rate in the model's dtype (F.linear at 1,024 rows of the model's shapes). A decode step's
 roofline is the larger of its bytes (weights + every request's KV) at that bandwidth and its FLOPs at
-that rate. Results go to bench/results/quantization.json and docs/quantization.png.
+that rate. Results go to benchmarks/results/quantization.json and docs/quantization.png.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main() -> int:
     ap.add_argument("--prompt-lengths", default="512,1024,2048,4096")
     ap.add_argument("--kv-batches", default="1,16,32")  # 32 x 1k tokens of float32 KV: 1.5 of the 2 GiB
     ap.add_argument("--kv-context", type=int, default=1024)
-    ap.add_argument("--out", default="bench/results/quantization.json")
+    ap.add_argument("--out", default="benchmarks/results/quantization.json")
     ap.add_argument("--plot", default="docs/quantization.png")
     args = ap.parse_args()
     parts = set(args.parts.split(","))

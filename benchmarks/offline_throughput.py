@@ -1,11 +1,11 @@
 """Offline throughput: Tandem vs Hugging Face transformers static batching, and the decode step
 split into model forward and everything else.
 
-    .venv/bin/python bench/offline_throughput.py                  # the full run (issue #2)
-    .venv/bin/python bench/offline_throughput.py --num-prompts 32 --skip-hf   # a quick look
+    .venv/bin/python benchmarks/offline_throughput.py                  # the full run (issue #2)
+    .venv/bin/python benchmarks/offline_throughput.py --num-prompts 32 --skip-hf   # a quick look
 
 Both engines use the same weights (the default GGUF model), dtype and thread count, in one run.
-Results go to bench/results/offline_throughput.json.
+Results go to benchmarks/results/offline_throughput.json.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="alternate Tandem and transformers this many times (this machine's speed drifts by "
                          "tens of percent over minutes; alternating spreads the drift over both)")
-    ap.add_argument("--out", default="bench/results/offline_throughput.json")
+    ap.add_argument("--out", default="benchmarks/results/offline_throughput.json")
     args = ap.parse_args()
 
     threads = args.threads or torch.get_num_threads()

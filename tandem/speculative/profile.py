@@ -11,7 +11,7 @@ from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.sampling_params import SamplingParams
-from tandem.spec.policy import StepCost
+from tandem.speculative.policy import StepCost
 
 MAX_PROFILED_TOKENS = 256  # past this a step's cost is linear in its tokens: extrapolated
 

@@ -1,6 +1,6 @@
 """Micro benchmark: compiled paged decode attention vs the PyTorch fallback (one layer per call).
 
-    python bench/attention_op.py [--threads 2] [--dtype bf16] [--cold-mb 1024]
+    python benchmarks/attention_op.py [--threads 2] [--dtype bf16] [--cold-mb 1024]
 
 Defaults are SmolLM2-135M shapes (H=9, KVH=3, D=64, bf16, block size 16) with each sequence's blocks
 scattered randomly through a pool twice the live size, as after some serving time. Two timings:

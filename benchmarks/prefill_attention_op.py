@@ -1,6 +1,6 @@
 """Micro benchmark: one layer's attention for a step of prompt chunks, compiled kernel vs fallback.
 
-    python bench/prefill_attention_op.py [--threads 2] [--dtype bf16]
+    python benchmarks/prefill_attention_op.py [--threads 2] [--dtype bf16]
 
 Each row is a batch of multi-token queries as the scheduler packs them: (context, new tokens) per
 request, blocks scattered through the pool. Three timings of the same layer:

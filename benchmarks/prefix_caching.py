@@ -1,12 +1,12 @@
 """Prefix caching on versus off, in one run, on the offline engine with timed arrivals.
 
-    .venv/bin/python bench/prefix_caching.py            # both workloads, caching on and off
+    .venv/bin/python benchmarks/prefix_caching.py            # both workloads, caching on and off
 
 (a) shared system prompt: every request is one 1,024-token system prompt plus 64 unique tokens,
     arriving as a Poisson process; (b) five-turn conversations: each turn resends the whole
     history plus a new user message as soon as the previous answer arrives (closed loop).
 Reports TTFT p50/p99, the prefix-cache hit rate and throughput; writes
-bench/results/prefix_caching.json.
+benchmarks/results/prefix_caching.json.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--stagger", type=float, default=0.5)
     ap.add_argument("--think-time", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/prefix_caching.json")
+    ap.add_argument("--out", default="benchmarks/results/prefix_caching.json")
     args = ap.parse_args()
 
     result: dict = {"config": vars(args)}

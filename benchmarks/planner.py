@@ -1,9 +1,9 @@
 """The SLO planner against static splits of the same two cores, on a trace whose mix shifts (issue #16, part 2).
 
-    .venv/bin/python bench/planner.py            # the full run (about 20 min on 2 cores)
-    .venv/bin/python bench/planner.py --quick    # a smoke check (a few minutes)
+    .venv/bin/python benchmarks/planner.py            # the full run (about 20 min on 2 cores)
+    .venv/bin/python benchmarks/planner.py --quick    # a smoke check (a few minutes)
 
-One trace (Mooncake format, generated from --seed into bench/results/planner_trace.jsonl, Poisson arrivals), in
+One trace (Mooncake format, generated from --seed into benchmarks/results/planner_trace.jsonl, Poisson arrivals), in
 phases of --phase-s seconds each, in the order --phases:
   prefill   long prompts, short answers: --prefill-input tokens in, --prefill-output out, at --prefill-rate req/s
   decode    short prompts, long answers: --decode-input in, --decode-output out, at --decode-rate req/s
@@ -20,7 +20,7 @@ overall and per phase. While each configuration runs, the router's /metrics are 
 worker and role; router_planner_flips_total), which gives the roles over time.
 Goal: the planner's goodput at least 1.2x the best static split's, with its actions plotted over time against TTFT
 and ITL.
-Results: bench/results/planner.json, the plot docs/planner.png; per-run records and logs under bench/results/planner/.
+Results: benchmarks/results/planner.json, the plot docs/planner.png; per-run records and logs under benchmarks/results/planner/.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from tandem.engine.request import Request
-from tandem.spec.matching import TokenArray, suffix_matches
-from tandem.spec.proposer import NO_DRAFTS, Drafts
+from tandem.speculative.matching import TokenArray, suffix_matches
+from tandem.speculative.proposer import NO_DRAFTS, Drafts
 
 
 class NgramProposer:

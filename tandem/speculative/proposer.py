@@ -35,10 +35,10 @@ class Proposer(Protocol):
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
-        from tandem.spec.ngram import NgramProposer
+        from tandem.speculative.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    from tandem.spec.suffix import SuffixProposer
+    from tandem.speculative.suffix import SuffixProposer
 
     return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                           config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)

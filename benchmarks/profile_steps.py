@@ -1,10 +1,10 @@
 """Where a step's time goes: the offline-throughput workload driven step by step, with
 torch.profiler over a few steps and the time of every step by kind (with prompt tokens or pure decode).
 
-    .venv/bin/python bench/profile_steps.py                       # steps 40-42 (prompt chunks + decodes)
-    .venv/bin/python bench/profile_steps.py --skip 95 --steps 3   # pure decode at batch 256
+    .venv/bin/python benchmarks/profile_steps.py                       # steps 40-42 (prompt chunks + decodes)
+    .venv/bin/python benchmarks/profile_steps.py --skip 95 --steps 3   # pure decode at batch 256
 
-The workload is bench/offline_throughput.py's (random prompts of 64-512 tokens, 128 output tokens,
+The workload is benchmarks/offline_throughput.py's (random prompts of 64-512 tokens, 128 output tokens,
 ignore_eos, max_num_seqs 256). --all runs every request to the end and prints the step totals.
 
 --floor (with --all) then measures what no bf16 engine can beat on this machine for the same run:
@@ -12,7 +12,7 @@ ignore_eos, max_num_seqs 256). --all runs every request to the end and prints th
     lm_head for the 256 x 128 sampled rows (timed at 256 rows), best of 3 per distinct step size;
   * decode KV reads: the bytes every decode token's attention must read (its whole context, K and
     V, every layer) at the best streaming read rate measured here (a 1 GiB sum, best of 3).
-    .venv/bin/python bench/profile_steps.py --all --floor
+    .venv/bin/python benchmarks/profile_steps.py --all --floor
 """
 
 from __future__ import annotations

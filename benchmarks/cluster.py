@@ -1,7 +1,7 @@
 """KV-aware routing against least-loaded, two colocated one-core workers behind the router, in one run (issue #16).
 
-    .venv/bin/python bench/cluster.py            # part 1 in full (about 14 min on 2 cores)
-    .venv/bin/python bench/cluster.py --quick    # a smoke check (a few minutes)
+    .venv/bin/python benchmarks/cluster.py            # part 1 in full (about 14 min on 2 cores)
+    .venv/bin/python benchmarks/cluster.py --quick    # a smoke check (a few minutes)
 
 Part 1 (routing). Every run is a fresh `tandem serve --workers 2 --routing-policy P --num-blocks N` (default model,
 dtype auto, one core per worker; P = kv or least-loaded, all else identical) loaded by `tandem bench serve`
@@ -22,7 +22,7 @@ blocks) and the workers' prefix-cache hit rate (prefix_cache_hits_total / querie
 Goals: TTFT p50 (workload 2: of turns >= 2) with kv at most 0.33x least-loaded; no worker over 1.5x the mean load
 with a single shared prefix under kv.
 Part 2 (planner on vs the best static split on a shifting trace) is not written yet; see "part 2" below.
-Results: bench/results/cluster.json, docs/cluster_routing.png; per-run results and logs under bench/results/cluster/.
+Results: benchmarks/results/cluster.json, docs/cluster_routing.png; per-run results and logs under benchmarks/results/cluster/.
 """
 
 from __future__ import annotations
@@ -346,8 +346,8 @@ def parse_args() -> argparse.Namespace:
             g.add_argument(flag, type=type(default), default=default)
     ap.add_argument("--sample-interval", type=float, default=0.5, help="seconds between per-worker gauge samples")
     ap.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, help="--worker-heartbeat-timeout")
-    add_server_args(ap, Path("bench/results/cluster"))
-    ap.add_argument("--results", type=Path, default=Path("bench/results/cluster.json"))
+    add_server_args(ap, Path("benchmarks/results/cluster"))
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results/cluster.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/cluster_routing.png"))
     args = ap.parse_args()
     if args.quick:

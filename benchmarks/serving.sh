@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Serving benchmark of `tandem serve` with `tandem bench serve`, in one run:
 #   random 256-in / 128-out prompts at concurrency 1, 8 and 32 (issue #3), and the shared-prefix
-#   workload (issue #5). Results: bench/results/serving/*.json (+ per-request records and plots).
-# Usage: bench/serving.sh [extra `tandem serve` flags]
+#   workload (issue #5). Results: benchmarks/results/serving/*.json (+ per-request records and plots).
+# Usage: benchmarks/serving.sh [extra `tandem serve` flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8765}
-OUT=bench/results/serving
+OUT=benchmarks/results/serving
 mkdir -p "$OUT"
 .venv/bin/tandem serve --port "$PORT" "$@" > "$OUT/server.log" 2>&1 &
 server=$!

@@ -1,7 +1,7 @@
 """`tandem plan` at scale (issue #19): analytic GPU profiles, no GPU needed.
 
-    .venv/bin/python bench/plan_at_scale.py            # all three studies (~10 min on 2 cores)
-    .venv/bin/python bench/plan_at_scale.py --quick    # fewer requests and candidates
+    .venv/bin/python benchmarks/plan_at_scale.py            # all three studies (~10 min on 2 cores)
+    .venv/bin/python benchmarks/plan_at_scale.py --quick    # fewer requests and candidates
 
 1. DistServe's Figure 1 on an H100: a 13B model, 512 prompt / 64 output tokens, TTFT <= 400 ms and
    TPOT <= 40 ms for 90% of requests; colocated vs the best prefill/decode split, goodput per GPU, beside
@@ -11,7 +11,7 @@
    256/512 (output-heavy).
 3. DeepSeek-V3 decode on H200 nodes: the expert-parallel width the planner picks, and what rebalancing a
    skewed expert load (EPLB) and two-micro-batch overlap (DBO) add.
-Results: bench/results/plan/ (each study's table and JSON, the plots, summary.md).
+Results: benchmarks/results/plan/ (each study's table and JSON, the plots, summary.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def best(rows: list[dict], disaggregated: bool) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results/plan"))
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/plan"))
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)

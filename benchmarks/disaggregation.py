@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation (issue #6): two colocated servers against one prefill and one decode worker, on
 the same long-plus-short workload, in one run so the ratios are side by side.
 
-    .venv/bin/python bench/disaggregation.py                                  # the full run
-    .venv/bin/python bench/disaggregation.py --configs colocated-chunked --quick   # a smoke check
+    .venv/bin/python benchmarks/disaggregation.py                                  # the full run
+    .venv/bin/python benchmarks/disaggregation.py --configs colocated-chunked --quick   # a smoke check
 
 Configurations (each a fresh `tandem serve` on a free loopback port; `--server-args` is appended to all):
     colocated-chunked   --max-num-batched-tokens 512 (chunked prefill is on by default)
@@ -16,7 +16,7 @@ prompts 2,048 tokens, the rest 256; 128 output tokens each) at each `--rates` re
 SLO when its TTFT <= 3,000 ms and its TPOT <= 3x colocated-chunked's unloaded TPOT; goodput is computed here from
 the per-request records, so every configuration is held to the same SLO.
 The benchmark client and the server's HTTP front end share the machine's cores with the engine.
-Results: bench/results/disaggregation/ (per-run JSON and records, server logs, summary.md, summary.json and
+Results: benchmarks/results/disaggregation/ (per-run JSON and records, server logs, summary.md, summary.json and
 disaggregation.png).
 """
 
@@ -280,7 +280,7 @@ def parse_args() -> argparse.Namespace:
                     help="default: 3x colocated-chunked's unloaded TPOT, measured in this run")
     ap.add_argument("--server-args", default="", help="extra `tandem serve` flags for every config, one string")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
-    ap.add_argument("--out-dir", default="bench/results/disaggregation")
+    ap.add_argument("--out-dir", default="benchmarks/results/disaggregation")
     args = ap.parse_args()
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]

@@ -2,14 +2,14 @@
 colocated server and a 1P1D deployment, at three request rates and on two workloads, the simulator
 calibrated from `tandem profile` alone.
 
-    .venv/bin/python bench/simulator.py                  # the full run (~25 min)
-    .venv/bin/python bench/simulator.py --quick          # a smoke check (one rate, few requests)
-    .venv/bin/python bench/simulator.py --reuse-profiles # keep the profiles of an earlier run
+    .venv/bin/python benchmarks/simulator.py                  # the full run (~25 min)
+    .venv/bin/python benchmarks/simulator.py --quick          # a smoke check (one rate, few requests)
+    .venv/bin/python benchmarks/simulator.py --reuse-profiles # keep the profiles of an earlier run
 
 Profiles: the colocated engine as `tandem serve` runs it (every core), and a worker's engine as a local 1P1D
 deployment pins it (one core, one thread). The server's API process, and the benchmark client, share the
 cores with the engine: the profile does not see them, and neither does the simulator.
-Results: bench/results/sim/ (profiles, per-run JSON of both, summary.json, summary.md, simulator.png).
+Results: benchmarks/results/sim/ (profiles, per-run JSON of both, summary.json, summary.md, simulator.png).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results/sim"))
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/sim"))
     p.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--num-prompts", type=int, default=60)

@@ -1,6 +1,6 @@
 """A step of prompt chunks with the last layer run for every row vs for the sampled rows only.
 
-    .venv/bin/python bench/sampled_rows.py [--rounds 12]
+    .venv/bin/python benchmarks/sampled_rows.py [--rounds 12]
 
 One forward pass of the default model over 1,024 new tokens (four prompt chunks, two of them after
 cached context), logits for each chunk's last row. "all rows" is the metadata without

@@ -7,11 +7,11 @@
            the same two cores here: the worst case; an operator's browser is usually elsewhere)
 
 Prints each condition's output tokens/s (mean over rounds) and its ratio to `off`, and how long the
-server took to answer /v1/cluster under load; writes bench/results/dashboard/summary.json.
+server took to answer /v1/cluster under load; writes benchmarks/results/dashboard/summary.json.
 Goal: both ratios within 2% of 1.
 
-    .venv/bin/python bench/dashboard_overhead.py
-    .venv/bin/python bench/dashboard_overhead.py --rounds 3 --interval 1 --concurrency 32
+    .venv/bin/python benchmarks/dashboard_overhead.py
+    .venv/bin/python benchmarks/dashboard_overhead.py --rounds 3 --interval 1 --concurrency 32
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    add_server_args(ap, ROOT / "bench/results/dashboard", "WARNING")
+    add_server_args(ap, ROOT / "benchmarks/results/dashboard", "WARNING")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     throughput: dict[str, list[float]] = {c: [] for c in CONDITIONS}

@@ -6,9 +6,9 @@ mask along one valid output, token by token, with that output's tokens checked a
 xgrammar is not a Tandem dependency (its wheel requires triton); measure it from a side directory:
 
     .venv/bin/pip install --target /tmp/xg --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-    PYTHONPATH=/tmp/xg .venv/bin/python bench/grammar_backends.py
+    PYTHONPATH=/tmp/xg .venv/bin/python benchmarks/grammar_backends.py
 
-Writes bench/results/grammar_backends.json.
+Writes benchmarks/results/grammar_backends.json.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main() -> int:
                           f"{row['mask_p50_us']:.0f}", f"{row['mask_max_ms']:.2f}", f"{row['masks_total_ms']:.1f}")
     console.print(table)
     console.print("tokenizer set-up: " + ", ".join(f"{n} {r['tokenizer_s']:.2f} s" for n, r in results.items()))
-    out = ROOT / "bench/results/grammar_backends.json"
+    out = ROOT / "benchmarks/results/grammar_backends.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -7,11 +7,11 @@
 
 at concurrency 1, 4, 16 and 64, greedy. Prints output tokens/s and TPOT per configuration with the
 ratio to speculation off, and each proposer's acceptance (from the server's spec_decode_* counters);
-writes bench/results/speculative/summary.json and speculative.png.
+writes benchmarks/results/speculative/summary.json and speculative.png.
 
-    .venv/bin/python bench/speculative.py
-    .venv/bin/python bench/speculative.py --configs off,suffix --concurrency 1 --workloads copy
-    .venv/bin/python bench/speculative.py --configs 'off;k16={"method": "ngram", "num_speculative_tokens": 16}'
+    .venv/bin/python benchmarks/speculative.py
+    .venv/bin/python benchmarks/speculative.py --configs off,suffix --concurrency 1 --workloads copy
+    .venv/bin/python benchmarks/speculative.py --configs 'off;k16={"method": "ngram", "num_speculative_tokens": 16}'
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    add_server_args(ap, ROOT / "bench/results/speculative")
+    add_server_args(ap, ROOT / "benchmarks/results/speculative")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -4,10 +4,10 @@ alternating, fresh prompts every run. Outputs are held to the same length (`--ig
 JSON is complete the mask allows only end-of-sequence), so output tokens/s compare like for like.
 
 Prints output tokens/s and TPOT per condition and the ratio to unconstrained; writes
-bench/results/structured/summary.json. Goal: at most 5% slower at c32 and 10% at c1.
+benchmarks/results/structured/summary.json. Goal: at most 5% slower at c32 and 10% at c1.
 
-    .venv/bin/python bench/structured_outputs.py
-    .venv/bin/python bench/structured_outputs.py --rounds 3 --concurrency 1,8,32
+    .venv/bin/python benchmarks/structured_outputs.py
+    .venv/bin/python benchmarks/structured_outputs.py --rounds 3 --concurrency 1,8,32
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompts-per-stream", type=int, default=2)
-    add_server_args(ap, ROOT / "bench/results/structured", "WARNING")
+    add_server_args(ap, ROOT / "benchmarks/results/structured", "WARNING")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]

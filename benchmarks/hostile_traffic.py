@@ -1,6 +1,6 @@
 """Overload and a tenant flood against `tandem serve`, with the references, in one run.
 
-  .venv/bin/python bench/hostile_traffic.py [--phase-seconds 20] [--max-num-seqs 8] [--out DIR]
+  .venv/bin/python benchmarks/hostile_traffic.py [--phase-seconds 20] [--max-num-seqs 8] [--out DIR]
 
 First a reference server with no admission limits (today's behaviour):
   light     1 client of short completions: the TTFT of a request on an idle server;
@@ -220,7 +220,7 @@ def main() -> int:
     ap.add_argument("--ttft-budget-x", type=float, default=2.0,
                     help="the guarded server's --admission-ttft-budget: this many times the light-load TTFT p99")
     ap.add_argument("--flood-prompt-tokens", type=int, default=1500)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/hostile_traffic"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hostile_traffic"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = Prompts.make(TextMaker(load_tokenizer(None)), args.flood_prompt_tokens)

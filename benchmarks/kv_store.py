@@ -1,7 +1,7 @@
 """The tiered KV store against the pool alone (recompute), colocated, in one run.
 
-    .venv/bin/python bench/kv_store.py            # the full run (about 17 min on 2 cores)
-    .venv/bin/python bench/kv_store.py --quick    # a smoke check (a few minutes)
+    .venv/bin/python benchmarks/kv_store.py            # the full run (about 17 min on 2 cores)
+    .venv/bin/python benchmarks/kv_store.py --quick    # a smoke check (a few minutes)
 
 Every configuration is a fresh `tandem serve` (default model, dtype auto, block size 16) on a free loopback
 port with the same flags except the store's, and the load is the project's own client (`tandem bench serve`):
@@ -13,7 +13,7 @@ requests in flight fit.
      reply tokens each; chat backend), --max-concurrency 2, so the sessions interleave and every return finds
      its history evicted from the pool. TTFT p50/p90 of returning turns (2..N) and of those whose history
      is >= --long-history tokens, ITL p99, per-tier hit rates and bytes moved.
-  2. Mooncake-trace replay: a synthetic Mooncake-format trace (bench/results/kv_store_trace.jsonl, from --seed):
+  2. Mooncake-trace replay: a synthetic Mooncake-format trace (benchmarks/results/kv_store_trace.jsonl, from --seed):
      --trace-docs shared documents of several 64-token blocks with Zipf-like popularity, each request one
      document plus a unique tail, Poisson arrivals at --trace-rate. The same measures.
   3. store vs own pool: one --probe-len token prompt sent twice (the second is served from the pool), then the
@@ -25,8 +25,8 @@ requests in flight fit.
 Goals: multi-turn TTFT p50 of returning turns with histories >= 1k tokens, tiers <= 0.2x pool; ITL p99 with tiers
 <= 1.05x pool; store-served TTFT <= 1.5x pool-served. Hit rates: store hits * block size / prompt tokens per tier,
 and the pool's prefix-cache hit rate, from /metrics deltas (warm-ups excluded).
-Results: bench/results/kv_store.json and kv_store.png; per-run client results, records and server logs under
-bench/results/kv_store/.
+Results: benchmarks/results/kv_store.json and kv_store.png; per-run client results, records and server logs under
+benchmarks/results/kv_store/.
 """
 
 from __future__ import annotations
@@ -570,10 +570,10 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--probe-reps", type=int, default=5)
     g.add_argument("--settle", type=float, default=1.0,
                    help="seconds before each measured probe request (background saves finish)")
-    add_server_args(ap, Path("bench/results/kv_store"))
-    ap.add_argument("--results", type=Path, default=Path("bench/results/kv_store.json"))
-    ap.add_argument("--plot", type=Path, default=Path("bench/results/kv_store.png"))
-    ap.add_argument("--trace-path", type=Path, default=Path("bench/results/kv_store_trace.jsonl"))
+    add_server_args(ap, Path("benchmarks/results/kv_store"))
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results/kv_store.json"))
+    ap.add_argument("--plot", type=Path, default=Path("benchmarks/results/kv_store.png"))
+    ap.add_argument("--trace-path", type=Path, default=Path("benchmarks/results/kv_store_trace.jsonl"))
     args = ap.parse_args()
     if args.quick:
         args.conversations, args.turns, args.turn_input_len, args.turn_output_len = 3, 4, 96, 16

@@ -1,8 +1,8 @@
 """Decode at low concurrency: the model's linear layers at a few rows, oneDNN's packed matmul vs
 the compiled small_batch_linear, and the engine's decode step with each.
 
-    .venv/bin/python bench/small_batch_linear.py               # default model, rows 1-48
-    .venv/bin/python bench/small_batch_linear.py --rounds 10
+    .venv/bin/python benchmarks/small_batch_linear.py               # default model, rows 1-48
+    .venv/bin/python benchmarks/small_batch_linear.py --rounds 10
 
 Both paths are timed alternately in one process (this machine's speed drifts over minutes), and
 each repetition calls every linear layer of the model once plus the lm_head, as a decode step does;
