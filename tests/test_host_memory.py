@@ -99,7 +99,7 @@ def test_prefault_flag_reaches_workers(flag: list[str]) -> None:
     # Disaggregated workers are started with engine_argv of the parent's flags: the choice must survive.
     import argparse
 
-    from tandem.cli import add_engine_args, engine_argv, engine_kwargs
+    from tandem.engine.args import add_engine_args, engine_argv, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -56,7 +56,7 @@ class WorkerActor:
         import argparse
 
         from tandem import logs
-        from tandem.cli import add_engine_args, engine_kwargs
+        from tandem.engine.args import add_engine_args, engine_kwargs
         from tandem.config import EngineConfig
         from tandem.disagg.worker import run_worker
 

@@ -43,7 +43,7 @@ from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutpu
 from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
-from tandem.serve.cluster_view import host_name, worker_entry
+from tandem.engine.worker_view import host_name, worker_entry
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

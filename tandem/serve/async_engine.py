@@ -40,7 +40,7 @@ from tandem.engine.request import Request
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
-from tandem.serve.cluster_view import host_name, process_cores, worker_entry
+from tandem.engine.worker_view import host_name, process_cores, worker_entry
 from tandem.serve.core_proc import run_engine_core
 from tandem.serve.metrics import ServerMetrics
 

@@ -28,7 +28,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from tandem.cli import engine_argv, engine_kwargs
+    from tandem.engine.args import engine_argv, engine_kwargs
     from tandem.config import EngineConfig
     from tandem.sim.measure import ProfileGrid, profile
 
@@ -56,7 +56,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
-    from tandem.cli import add_engine_args
+    from tandem.engine.args import add_engine_args
 
     p = sub.add_parser("profile", help="measure this engine's step and transfer costs (or price a GPU's) "
                                        "into a profile for `tandem bench sim` and `tandem plan`")

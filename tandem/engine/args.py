@@ -1,0 +1,81 @@
+"""Engine options as command-line flags, named as vLLM names them, and back.
+
+Every command that starts an engine (serve, worker, profile, a Ray actor) reads the same flags, and
+a process that starts workers hands its own flags on as a command line (engine_argv).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options as flags, named as vLLM names them."""
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
+    p.add_argument("--quantization", default=ModelConfig.quantization, choices=QUANTIZATION_CHOICES,
+                   help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight), activations "
+                        "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
+                        "dequantize to --dtype; auto: gguf, or none where --dtype is bfloat16 computed natively "
+                        "(faster there, measured). A model directory is dense either way")
+    p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=["auto", "int8"],
+                   help="auto: the model's dtype; int8: per token and kv head int8 rows with a float32 scale "
+                        "(about a quarter of float32's bytes)")
+    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=CacheConfig.prefault_kv_cache,
+                   help="commit the KV pool's memory at start-up (no first-touch page faults while serving)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=SchedulerConfig.long_prefill_token_threshold,
+                   help="at most this many prompt tokens of one request per step (0: no cap)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\' '
+                        '(methods: ngram, suffix; README "Speculative decoding"); off by default')
+    store = p.add_argument_group("tiered KV store (blocks kept below the pool, loaded instead of recomputed)")
+    store.add_argument("--kv-offload-memory", type=float, default=CacheConfig.kv_offload_memory, metavar="GIB",
+                       help="host-memory tier, shared by every worker on the host (0: none)")
+    store.add_argument("--kv-offload-path", default=None, metavar="PATH",
+                       help="the host tier's file under /dev/shm (default: one per deployment, removed at exit)")
+    store.add_argument("--kv-offload-disk", default=None, metavar="DIR",
+                       help="disk tier: a directory (survives restarts)")
+    store.add_argument("--kv-offload-disk-size", type=float, default=CacheConfig.kv_offload_disk_size, metavar="GIB")
+    store.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
+                       help="distributed tier: a Mooncake Store master")
+    store.add_argument("--kv-store-ttl", type=float, default=None, metavar="SECONDS",
+                       help="stored blocks older than this are not used")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of args, as a command line (for workers started from this process)."""
+    argv = [args.model] if args.model else []
+    for key, value in engine_kwargs(args).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+                num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                prefault_kv_cache=args.prefault_kv_cache,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_model_len=args.max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
+                kv_offload_memory=args.kv_offload_memory, kv_offload_path=args.kv_offload_path,
+                kv_offload_disk=args.kv_offload_disk, kv_offload_disk_size=args.kv_offload_disk_size,
+                kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl,
+                speculative_config=args.speculative_config)
