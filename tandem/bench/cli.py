@@ -11,7 +11,7 @@ from tandem.bench.workloads import DATASETS, WorkloadConfig
 _W = WorkloadConfig()
 
 
-class _Help(argparse.HelpFormatter):
+class BenchHelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default unless its help already explains it or there is nothing to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -163,25 +163,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """`tandem bench`; returns its subcommands, for the commands that layers above add (`bench sim`)."""
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (like `vllm bench serve`)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = bench_sub.add_parser("serve", help="one benchmark run against a running server",
-                                 formatter_class=_Help)
+                                 formatter_class=BenchHelpFormatter)
     add_run_args(serve)
     add_workload_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     sweep = bench_sub.add_parser("sweep", help="one run per request rate, then a goodput-vs-rate plot",
-                                 formatter_class=_Help)
+                                 formatter_class=BenchHelpFormatter)
     add_run_args(sweep, sweep=True)
     add_workload_args(sweep)
     sweep.set_defaults(func=_cmd_sweep, request_rate=float("inf"))
-
-    from tandem.sim.cli import add_sim_parser
-
-    add_sim_parser(bench_sub, _Help)
 
     compare = bench_sub.add_parser("compare", help="result files side by side, with ratios to the first")
     compare.add_argument("results", nargs="+", help="result JSON files (the first is the baseline)")
@@ -190,3 +187,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                          help="the runs on one self-contained HTML page, with their latency CDFs overlaid (from "
                          "the per-request records --save-result keeps next to each result)")
     compare.set_defaults(func=_cmd_compare)
+    return bench_sub

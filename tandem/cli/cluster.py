@@ -1,0 +1,52 @@
+"""The router of `tandem serve` with workers (local processes or Ray actors), built from its flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.engine.args import engine_argv
+
+
+def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> Any:
+    """A DisaggEngine for the flags: the workers this host starts, routing, the planner."""
+    from tandem.disagg.launch import local_launcher
+    from tandem.disagg.planner import PlannerSettings
+    from tandem.disagg.router import DisaggEngine
+    from tandem.disagg.routing import RoutingSettings
+    from tandem.disagg.settings import RouterSettings
+    from tandem.disagg.wire import SECRET_ENV, new_secret
+    from tandem.slo import Slo
+
+    secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
+    launch = None
+    num_local = args.prefill_workers + args.decode_workers + args.workers
+    role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
+    bind = args.router_bind or "tcp://127.0.0.1:0"
+    if args.ray:
+        from tandem.disagg.ray_launch import connect, ray_launcher
+
+        if not num_local:
+            raise ValueError("--ray places workers: give --prefill-workers/--decode-workers or --workers")
+        # Workers on other hosts connect back to this node's address (as the cluster knows it), unless
+        # --router-bind says where; a loopback router keeps the workers' KV on loopback too.
+        node = connect(args.ray)
+        bind = args.router_bind or f"tcp://{node}:0"
+        loopback = bind.startswith(("tcp://127.", "tcp://localhost"))
+        launch = ray_launcher(args.prefill_workers, args.decode_workers, args.workers, args.ray_worker_cpus,
+                              engine_argv(args), role_argv, secret, args.log_level.upper(),
+                              "127.0.0.1" if loopback else None)
+    elif num_local:
+        launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
+                                role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
+    routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
+                              args.routing_guard_ratio, paths=args.path_policy,
+                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
+    planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
+                              args.planner_interval, window_s=args.planner_window, dwell_s=args.planner_dwell)
+    settings = RouterSettings(bind=bind, secret=secret,
+                              expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
+    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)

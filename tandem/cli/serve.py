@@ -1,0 +1,95 @@
+"""`tandem serve`: the OpenAI-compatible server over one engine core or a router with its workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tandem.cli.cluster import disaggregated_engine
+from tandem.cli.serve_args import add_serve_parser
+from tandem.engine.args import engine_kwargs
+from tandem.serve.admission import AdmissionSettings
+
+
+def parse_weights(items: list[str]) -> dict[str, float]:
+    weights = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"--tenant-weight takes NAME=WEIGHT, got {item!r}")
+        weights[name] = float(value)
+        if not weights[name] > 0:
+            raise ValueError(f"--tenant-weight {item!r}: the weight must be positive")
+    return weights
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
+    import torch
+    import uvicorn
+
+    from tandem.config import EngineConfig
+    from tandem.logs import startup
+    from tandem.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
+    from tandem.serve.api import ServerSettings, build_app
+    from tandem.serve.startup import AnnouncingServer, check_memory, check_port
+    from tandem.slo import Slo
+
+    check_port(args.host, args.port)  # before a minute of loading, not after
+    # The KV pools this host will hold: its local workers', or the one core's (a bare router holds none).
+    pools = 0 if args.ray else (args.prefill_workers + args.decode_workers + args.workers or int(not args.router_bind))
+    if args.num_blocks is None and pools:
+        check_memory(args.kv_cache_memory, pools)
+    # This process parses HTTP and tokenizes; the model's threads belong to the core process.
+    torch.set_num_threads(1)
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("TANDEM_API_KEY"):
+        keys = [os.environ["TANDEM_API_KEY"]]
+    owned_shm = None
+    if args.kv_offload_memory > 0 and args.kv_offload_path is None:
+        from tandem.kv.store.host_tier import default_shm_path
+
+        # One host tier per deployment, shared by its engine processes and removed when it stops.
+        args.kv_offload_path = owned_shm = default_shm_path(f"serve-{os.getpid()}")
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    admission = AdmissionSettings(args.max_waiting_requests, args.seat_overcommit, args.admission_ttft_budget or None,
+                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
+    settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
+                              args.log_level.upper(), args.kv_events_endpoint,
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              max_prompt_chars=args.max_prompt_chars,
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              admission=admission, tenant_header=args.tenant_header,
+                              tenant_weights=parse_weights(args.tenant_weight or []),
+                              metrics_require_api_key=args.metrics_require_api_key,
+                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
+                              tool_call_parser=args.tool_call_parser)
+    tokenizer = load_tokenizer(args.model)
+    engine = None
+    if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:
+        engine = disaggregated_engine(args, config, tokenizer)
+        startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
+                     args.decode_workers, args.workers)
+    else:
+        startup.info("starting the engine core process")
+    app = build_app(config, settings, tokenizer, engine)
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
+    # was installed before it; make that one a clean exit, as a supervisor expects.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    model = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
+    server = AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                                             log_config=None), model, bool(keys))
+    try:
+        server.run()
+    finally:
+        if owned_shm is not None and os.path.exists(owned_shm):
+            os.unlink(owned_shm)
+    return 0
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    add_serve_parser(sub).set_defaults(func=cmd_serve)
