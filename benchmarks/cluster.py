@@ -22,7 +22,8 @@ blocks) and the workers' prefix-cache hit rate (prefix_cache_hits_total / querie
 Goals: TTFT p50 (workload 2: of turns >= 2) with kv at most 0.33x least-loaded; no worker over 1.5x the mean load
 with a single shared prefix under kv.
 Part 2 (planner on vs the best static split on a shifting trace) is not written yet; see "part 2" below.
-Results: benchmarks/results/cluster.json, docs/cluster_routing.png; per-run results and logs under benchmarks/results/cluster/.
+Results: benchmarks/results/cluster.json, docs/cluster_routing.png; per-run results and logs under
+benchmarks/results/cluster/.
 """
 
 from __future__ import annotations

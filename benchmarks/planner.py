@@ -20,7 +20,8 @@ overall and per phase. While each configuration runs, the router's /metrics are 
 worker and role; router_planner_flips_total), which gives the roles over time.
 Goal: the planner's goodput at least 1.2x the best static split's, with its actions plotted over time against TTFT
 and ITL.
-Results: benchmarks/results/planner.json, the plot docs/planner.png; per-run records and logs under benchmarks/results/planner/.
+Results: benchmarks/results/planner.json, the plot docs/planner.png; per-run records and logs under
+benchmarks/results/planner/.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from tandem.engine.args import engine_argv, engine_kwargs
     from tandem.config import EngineConfig
+    from tandem.engine.args import engine_argv, engine_kwargs
     from tandem.sim.measure import ProfileGrid, profile
 
     if args.cores:
