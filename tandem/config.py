@@ -8,8 +8,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tandem.kv.store.tiered import StoreSettings
-
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
 #   auto     gguf, except where the dense path of the model's dtype is faster: bfloat16 on a CPU that
 #            computes it natively (oneDNN / dpbf16 kernels; measured, README "Quantized weights")
@@ -56,6 +54,22 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
     seed: int = 0
+
+
+@dataclass
+class StoreSettings:
+    """The tiered KV store's settings (kv/store/tiered.py opens the tiers from them)."""
+
+    memory_gib: float = 0.0  # host tier (shared memory), 0: none
+    memory_path: str | None = None  # its file under /dev/shm (the deployment's, shared by its workers)
+    disk_dir: str | None = None
+    disk_gib: float = 8.0
+    remote: str | None = None  # mooncake://HOST:PORT
+    ttl_s: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_gib > 0 or self.disk_dir is not None or self.remote is not None
 
 
 @dataclass

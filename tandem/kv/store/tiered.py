@@ -13,23 +13,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.config import StoreSettings
 from tandem.kv.store.tier import KVTier, TierStats
 
 GiB = 1 << 30
-
-
-@dataclass
-class StoreSettings:
-    memory_gib: float = 0.0  # host tier (shared memory), 0: none
-    memory_path: str | None = None  # its file under /dev/shm (the deployment's, shared by its workers)
-    disk_dir: str | None = None
-    disk_gib: float = 8.0
-    remote: str | None = None  # mooncake://HOST:PORT
-    ttl_s: float | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.memory_gib > 0 or self.disk_dir is not None or self.remote is not None
 
 
 def open_tiers(settings: StoreSettings, block_nbytes: int, ident: str) -> list[KVTier]:
