@@ -29,8 +29,8 @@ from rich.table import Table
 
 from tandem import LLM
 from tandem.config import parse_dtype
+from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request
-from tandem.kv.layout import engine_kv_layout
 from tandem.model.linear import Linear, weight_bytes
 from tandem.model.quant import QuantizedWeight, reference_linear
 from tandem.model.scoring import agreed_prefix, perplexity

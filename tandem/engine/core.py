@@ -15,12 +15,12 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.kv_connector import KVConnector, MultiConnector
+from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tandem.engine.structured import Grammars, StructuredState
-from tandem.kv.layout import engine_kv_layout
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM

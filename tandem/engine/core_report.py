@@ -72,7 +72,7 @@ class CoreInfo:
 
 def core_info(core: Any, loaded: Any) -> CoreInfo:
     """core: an EngineCore; loaded: the LoadedModel it runs."""
-    from tandem.kv.layout import engine_kv_layout
+    from tandem.engine.kv_layout import engine_kv_layout
     from tandem.model.linear import weight_bytes, weight_formats
 
     eos = getattr(loaded.tokenizer, "eos_token_id", None)

@@ -20,17 +20,23 @@ attention whether it was computed in one chunk or several, with or without a pre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from tandem.model.arch import ArchConfig
-
-if TYPE_CHECKING:
-    from tandem.config import EngineConfig
-
 KV_CACHE_DTYPES = ("auto", "int8")
 SCALE_BYTES = 4  # one float32 per row
+
+
+class KVShape(Protocol):
+    """The model dimensions a pool's size depends on besides the row (the model's ArchConfig has them):
+    storage takes shapes, not the model."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,9 @@ class KVLayout:
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
-    def bytes_per_token(self, arch: ArchConfig) -> int:
+    def bytes_per_token(self, shape: KVShape) -> int:
         """Bytes of one token's K and V in every layer."""
-        return arch.num_layers * 2 * arch.num_kv_heads * self.row_dim * self.dtype.itemsize
+        return shape.num_layers * 2 * shape.num_kv_heads * self.row_dim * self.dtype.itemsize
 
 
 def kv_layout(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> KVLayout:
@@ -58,10 +64,6 @@ def kv_layout(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> K
     if kv_cache_dtype == "int8":
         return KVLayout(torch.int8, head_dim, head_dim + SCALE_BYTES)
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-
-
-def engine_kv_layout(config: EngineConfig, arch: ArchConfig) -> KVLayout:
-    return kv_layout(config.cache.kv_cache_dtype, config.model.dtype, arch.head_dim)
 
 
 def is_quantized(cache: torch.Tensor) -> bool:

@@ -19,8 +19,8 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore, LoggedStep
+from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request
-from tandem.kv.layout import engine_kv_layout
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
 
