@@ -96,7 +96,7 @@ def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
     # A growing request is synced incrementally; below min_n nothing is proposed.
     r.append_output_token(5)
     assert p.propose([r], [3])[0].tokens == []
-    p.finish(r)
+    p.finish(r, completed=False)
     assert not p._history
 
 
@@ -104,7 +104,7 @@ def test_suffix_learns_from_finished_outputs_of_the_same_tenant_only() -> None:
     p = SuffixProposer(max_depth=16, max_cached_requests=4, max_spec_factor=4.0, min_token_prob=0.1)
     done = _req([1], "a", tenant="alice", out=[40, 41, 42, 43, 44, 45])
     done.status = RequestStatus.FINISHED_STOPPED
-    p.finish(done)
+    p.finish(done, done.status.completed)
     mine, theirs = _req([2, 40, 41], "b", tenant="alice"), _req([2, 40, 41], "c", tenant="bob")
     got = p.propose([mine, theirs], [8, 8])
     assert got[0].tokens == [42, 43, 44, 45] and got[0].match_len == 2
@@ -112,7 +112,7 @@ def test_suffix_learns_from_finished_outputs_of_the_same_tenant_only() -> None:
     # An aborted request's output is not learned from.
     aborted = _req([1], "d", tenant="bob", out=[40, 41, 50])
     aborted.status = RequestStatus.FINISHED_ABORTED
-    p.finish(aborted)
+    p.finish(aborted, aborted.status.completed)
     assert p.propose([theirs], [8])[0].tokens == []
 
 

@@ -16,10 +16,11 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.kv_layout import engine_kv_layout
-from tandem.engine.request import Request
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.sampler import SampleLogprobs
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.engine.spec_profile import profile_step_cost, profiled_counts
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
@@ -27,7 +28,6 @@ from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.ops.extension import extension_error, extension_isa, load_extension
 from tandem.speculative.decoder import SpecDecoder
-from tandem.speculative.profile import profile_step_cost, profiled_counts
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class EngineCore:
             if self.structured is not None:
                 self.structured.drop(rid)
             if request is not None and self.spec is not None:
-                self.spec.finish(request)
+                self.spec.finish(request, request.status.completed)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -231,9 +231,15 @@ class EngineCore:
             if rid in sampled:
                 spec.verified(rid, drafts[rid], sampled[rid])
             if s.request.is_finished or rid in errors:
-                spec.finish(s.request)
-        spec.propose(self.scheduler.running, self.scheduler.num_waiting_prompt_tokens(),
-                     self.config.scheduler.max_num_batched_tokens)
+                spec.finish(s.request, s.request.status.completed)
+        # A grammar-constrained request gets no drafts: they would be verified without its mask.
+        decoding = [r for r in self.scheduler.running if r.status == RequestStatus.RUNNING
+                    and r.num_tokens - r.num_computed_tokens == 1 and r.sampling_params.structured is None]
+        proposed = spec.propose(decoding, self.scheduler.num_waiting_prompt_tokens(),
+                                self.config.scheduler.max_num_batched_tokens)
+        for request, drafts in zip(decoding, proposed, strict=True):
+            if drafts:
+                request.spec_token_ids = drafts
 
     def _execute_isolating_failures(self, sched: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
         """Run the step; when it raises, find the requests that make it fail by running halves of it

@@ -10,12 +10,13 @@ into the prefix cache only once every token in it is an accepted one).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.config import SpeculativeConfig
-from tandem.engine.request import Request, RequestStatus
+from tandem.speculative.factory import make_proposer
 from tandem.speculative.policy import SpecPolicy, StepCost
-from tandem.speculative.proposer import Proposer, make_proposer
+from tandem.speculative.proposer import Proposer, SpecRequest
 
 
 @dataclass
@@ -39,19 +40,19 @@ class SpecDecoder:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._match_len: dict[str, int] = {}  # of the drafts in flight, by request
 
-    def propose(self, running: list[Request], prompt_tokens: int = 0, budget: int = 1 << 30) -> None:
-        """Set spec_token_ids of the running requests that decode next step; prompt_tokens wait to
-        be computed within a step budget of `budget` tokens."""
-        # A grammar-constrained request gets no drafts: they would be verified without its mask.
-        decoding = [r for r in running if r.status == RequestStatus.RUNNING
-                    and r.num_tokens - r.num_computed_tokens == 1 and r.sampling_params.structured is None]
+    def propose(self, decoding: Sequence[SpecRequest], prompt_tokens: int = 0,
+                budget: int = 1 << 30) -> list[list[int]]:
+        """The drafts to verify next step with each of `decoding` (the requests that decode next
+        step and may have drafts: the engine picks them), maybe none; prompt_tokens wait to be
+        computed within a step budget of `budget` tokens."""
+        drafts_out: list[list[int]] = [[] for _ in decoding]
         if not decoding:
-            return
+            return drafts_out
         ids = [r.request_id for r in decoding]
         caps = self.policy.choose(ids, [self._room(r) for r in decoding], None, prompt_tokens, budget)
         asked = [i for i, c in enumerate(caps) if c > 0]
         if not asked:
-            return
+            return drafts_out
         proposals = self.proposer.propose([decoding[i] for i in asked], [caps[i] for i in asked])
         available, match_lens = [0] * len(decoding), [0] * len(decoding)
         for i, drafts in zip(asked, proposals, strict=True):
@@ -59,15 +60,16 @@ class SpecDecoder:
         keep = self.policy.choose(ids, available, match_lens, prompt_tokens, budget)
         for i, drafts in zip(asked, proposals, strict=True):
             if keep[i]:
-                decoding[i].spec_token_ids = drafts.tokens[:keep[i]]
+                drafts_out[i] = drafts.tokens[:keep[i]]
                 self._match_len[decoding[i].request_id] = drafts.match_len
+        return drafts_out
 
-    def _room(self, request: Request) -> int:
+    def _room(self, request: SpecRequest) -> int:
         """Drafts that could still become output: max_tokens and the context each leave room for
         all but the step's own token."""
         room = self.max_model_len - request.num_tokens - 1
-        if request.sampling_params.max_tokens is not None:
-            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
         return max(min(room, self.config.num_speculative_tokens), 0)
 
     def verified(self, request_id: str, num_drafts: int, tokens: list[int]) -> None:
@@ -86,8 +88,9 @@ class SpecDecoder:
     def observe_step(self, num_tokens: int, num_draft_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
         self.policy.observe_step(num_tokens, num_draft_tokens, num_prompt_tokens, seconds)
 
-    def finish(self, request: Request) -> None:
-        """The request left the engine: its state goes; a completed output teaches the proposer."""
+    def finish(self, request: SpecRequest, completed: bool) -> None:
+        """The request left the engine: its state goes; the output of one that completed normally
+        (not aborted, not failed) teaches the proposer."""
         self.policy.forget(request.request_id)
         self._match_len.pop(request.request_id, None)
-        self.proposer.finish(request)
+        self.proposer.finish(request, completed)

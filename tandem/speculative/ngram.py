@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from tandem.engine.request import Request
+from collections.abc import Sequence
+
 from tandem.speculative.matching import TokenArray, suffix_matches
-from tandem.speculative.proposer import NO_DRAFTS, Drafts
+from tandem.speculative.proposer import NO_DRAFTS, Drafts, SpecRequest
 
 
 class NgramProposer:
@@ -13,7 +14,7 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
         self._history: dict[str, TokenArray] = {}
 
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[Drafts]:
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: list[int]) -> list[Drafts]:
         out = []
         for request, k in zip(requests, max_drafts, strict=True):
             history = self._history.setdefault(request.request_id, TokenArray()).sync(request.all_token_ids)
@@ -25,5 +26,5 @@ class NgramProposer:
             out.append(Drafts(history[start:start + k].tolist(), m))
         return out
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: SpecRequest, completed: bool) -> None:
         self._history.pop(request.request_id, None)

@@ -7,11 +7,38 @@ EAGLE-style head plugs in here as another Proposer; the model-free ones need no 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tandem.config import SpeculativeConfig
-from tandem.engine.request import Request
+
+class SpecRequest(Protocol):
+    """What speculation reads of a request (the engine's Request is one). It is read only: which
+    requests decode, and whether one completed, the engine says."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def tenant(self) -> str | None: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> int | None: ...
 
 
 @dataclass
@@ -24,21 +51,11 @@ NO_DRAFTS = Drafts([])
 
 
 class Proposer(Protocol):
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[Drafts]:
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: list[int]) -> list[Drafts]:
         """Up to max_drafts[i] guessed tokens to follow requests[i]'s tokens (may be none)."""
         ...
 
-    def finish(self, request: Request) -> None:
-        """The request is done: drop its state (and learn from its output, if the proposer does)."""
+    def finish(self, request: SpecRequest, completed: bool) -> None:
+        """The request is done: drop its state (and, if it completed normally rather than being aborted
+        or failed, learn from its output, if the proposer does)."""
         ...
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        from tandem.speculative.ngram import NgramProposer
-
-        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    from tandem.speculative.suffix import SuffixProposer
-
-    return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
-                          config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)

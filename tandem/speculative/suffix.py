@@ -16,12 +16,12 @@ most MAX_TENANTS are kept.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 import numpy as np
 
-from tandem.engine.request import Request, RequestStatus
 from tandem.speculative.matching import SEP, TokenArray, frequent_continuation, suffix_matches
-from tandem.speculative.proposer import NO_DRAFTS, Drafts
+from tandem.speculative.proposer import NO_DRAFTS, Drafts, SpecRequest
 
 MAX_SHARED_TOKENS = 1 << 16  # per tenant: what one search of the shared history scans at most
 MAX_TENANTS = 256  # shared histories kept (least recently finished into dropped first)
@@ -58,7 +58,7 @@ class SuffixProposer:
         self._own: dict[str, TokenArray] = {}
         self._shared: OrderedDict[tuple[str | None, str | None], SharedOutputs] = OrderedDict()
 
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[Drafts]:
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: list[int]) -> list[Drafts]:
         out = []
         for request, k in zip(requests, max_drafts, strict=True):
             own = self._own.setdefault(request.request_id, TokenArray()).sync(request.all_token_ids)
@@ -87,9 +87,8 @@ class SuffixProposer:
         tokens, expected = frequent_continuation(history, ends, limit, self.min_token_prob)
         return Drafts(tokens, m), expected
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: SpecRequest, completed: bool) -> None:
         self._own.pop(request.request_id, None)
-        completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if self.max_cached_requests > 0 and completed and request.output_token_ids:
             key = (request.tenant, request.cache_salt)
             shared = self._shared.get(key)
