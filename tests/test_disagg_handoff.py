@@ -18,7 +18,8 @@ from test_tiny_models import build
 from tandem.config import EngineConfig
 from tandem.disagg.connector import KVRecvConnector, KVSendConnector
 from tandem.disagg.flight import prefill_request
-from tandem.disagg.transport import KVReceiver, RoutingSender, TransferHandle, make_receiver
+from tandem.disagg.transport import KVReceiver, TransferHandle
+from tandem.disagg.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request

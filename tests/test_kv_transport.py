@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from tandem.disagg.transport import KVReceiver, RoutingSender, TransferHandle, TransferResult, make_receiver
+from tandem.disagg.transport import KVReceiver, TransferHandle, TransferResult
+from tandem.disagg.transports.factory import RoutingSender, make_receiver
 
 SHAPE = (3, 2, 64, 16, 2, 8)  # layers, K/V, blocks, block size, kv heads, head dim
 SECRET = b"s3cret"

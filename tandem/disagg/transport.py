@@ -6,10 +6,10 @@ TransferHandle); the prefill side (KVSender) writes layer slices as the model fi
 and reports when everything it wrote has landed. Writes are accepted only into blocks of an open
 reservation, so a late write can never touch blocks that were given to someone else.
 
-Backends: shared memory on one host (the decode pool lives in a memfd the prefill worker maps and
-writes straight into) and ZeroMQ over TCP across hosts (signed with the shared secret). Another
-backend (Mooncake's transfer engine, RDMA) fits the same two classes: write = one remote write of a
-block range, finish = a fence.
+Backends (transports/): shared memory on one host (the decode pool lives in a memfd the prefill
+worker maps and writes straight into) and ZeroMQ over TCP across hosts (signed with the shared
+secret); transports/factory.py picks one. Another backend (Mooncake's transfer engine, RDMA) fits
+the same two classes: write = one remote write of a block range, finish = a fence.
 """
 
 from __future__ import annotations
@@ -226,64 +226,3 @@ class TransferStats:
             self.exposed_s += r.copy_s + r.wait_s
         else:
             self.transfers_failed += 1
-
-
-def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> KVReceiver:
-    if kind == "shm":
-        from tandem.disagg.transports.shm import ShmReceiver
-
-        return ShmReceiver()
-    if kind == "zmq":
-        from tandem.disagg.transports.zmq_tcp import ZmqReceiver
-
-        return ZmqReceiver(host, port, secret)
-    raise ValueError(f"unknown KV transport {kind!r} (choose shm or zmq)")
-
-
-class RoutingSender(KVSender):
-    """Picks the backend from each handle's endpoint, so one prefill worker can feed decode workers
-    on its own host (shared memory) and on others (TCP) at once."""
-
-    def __init__(self, secret: bytes) -> None:
-        super().__init__()
-        self.secret = secret
-        self._backends: dict[str, KVSender] = {}
-
-    def _backend(self, kind: str) -> KVSender:
-        b = self._backends.get(kind)
-        if b is None:
-            if kind == "shm":
-                from tandem.disagg.transports.shm import ShmSender
-
-                b = ShmSender()
-            elif kind == "zmq":
-                from tandem.disagg.transports.zmq_tcp import ZmqSender
-
-                b = ZmqSender(self.secret)
-            else:
-                raise TransferError(f"unknown KV transport {kind!r}")
-            b._complete = self._complete  # results land in this sender's queue
-            self._backends[kind] = b
-        return b
-
-    def _is_synchronous(self, handle: TransferHandle) -> bool:
-        return self._backend(handle.endpoint.kind).synchronous
-
-    def _write(self, handle: TransferHandle, layer: int, dst_block_ids: list[int], kv: torch.Tensor) -> None:
-        self._backend(handle.endpoint.kind)._write(handle, layer, dst_block_ids, kv)
-
-    def _finish(self, handle: TransferHandle, num_bytes: int) -> None:
-        self._backend(handle.endpoint.kind)._finish(handle, num_bytes)
-
-    def _check(self) -> None:
-        for b in self._backends.values():
-            b._check()
-
-    def forget(self, address: str) -> None:
-        """A decode worker went away: drop what points at it and fail transfers waiting on it."""
-        for b in self._backends.values():
-            b.forget(address)
-
-    def close(self) -> None:
-        for b in self._backends.values():
-            b.close()

@@ -42,7 +42,8 @@ from tandem.disagg.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from tandem.disagg.transport import KVReceiver, RoutingSender, TransferStats, make_receiver
+from tandem.disagg.transport import KVReceiver, TransferStats
+from tandem.disagg.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore, EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats
 from tandem.engine.kv_connector import KVConnector
