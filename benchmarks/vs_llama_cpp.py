@@ -32,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 from server_process import RunFailed, free_port, stop_server, tandem_exe, wait_healthy
 
-from tandem.model.loader import default_model_path
+from tandem.model_path import default_model_path
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,7 +36,7 @@ def _check_engines_after_test() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from tandem.model.loader import default_model_path
+    from tandem.model_path import default_model_path
 
     return default_model_path()
 

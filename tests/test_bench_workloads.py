@@ -145,7 +145,7 @@ def test_mooncake_trace(maker: TextMaker, tmp_path: Path) -> None:
 
 def test_real_tokenizer_counts_exactly() -> None:
     """With the default model's byte-level BPE tokenizer, n words are n tokens and prefixes survive."""
-    from tandem.model.loader import load_tokenizer
+    from tandem.tokenizer import load_tokenizer
 
     maker = TextMaker(load_tokenizer(None))
     sessions = generate(WorkloadConfig("random", num_prompts=20, seed=0, random_input_len=100, random_output_len=4,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tandem.model.loader import packaged_model_path
+from tandem.model_path import packaged_model_path
 
 pytestmark = pytest.mark.slow
 

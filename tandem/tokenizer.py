@@ -1,0 +1,43 @@
+"""A model's tokenizer without its weights: from a GGUF file's metadata (converted once, then cached) or a
+Hugging Face directory's tokenizer files. The model loader, the API process and the benchmark client share it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from tandem.cache import cache_dir
+from tandem.model_path import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """Build a fast tokenizer from the GGUF metadata once, then load it from the cache."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(cached)
+    return tokenizer
+
+
+def load_hf_tokenizer(path: Path) -> Any | None:
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(model: str | None) -> Any | None:
+    """The tokenizer alone (for a process that serves HTTP but holds no weights)."""
+    path = resolve_model_path(model)
+    return load_hf_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)
