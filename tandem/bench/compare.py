@@ -7,10 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The headline fields, in display order; latency fields are added from whatever the first file holds.
-HEADLINE = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-            "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s")
-_LATENCY_ORDER = ("ttft", "tpot", "itl", "e2el")
+from tandem.bench.result_fields import metric_fields
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -18,18 +15,6 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict) or "completed" not in data:
         raise ValueError(f"{path} is not a benchmark result (no 'completed' field)")
     return data
-
-
-def latency_fields(result: dict[str, Any]) -> list[str]:
-    def order(key: str) -> tuple[int, int, str]:
-        stat, _, rest = key.partition("_")
-        name = rest.removesuffix("_ms")
-        rank = {"mean": 0, "median": 1, "std": 2}.get(stat, 3)
-        return (_LATENCY_ORDER.index(name), rank, stat)
-
-    keys = [k for k, v in result.items() if k.endswith("_ms") and isinstance(v, int | float)
-            and k.partition("_")[2].removesuffix("_ms") in _LATENCY_ORDER and not k.startswith("std_")]
-    return sorted(keys, key=order)
 
 
 def _fmt(v: Any) -> str:
@@ -56,7 +41,7 @@ def labels_for(paths: Sequence[str | Path], results: Sequence[dict[str, Any]]) -
 
 def compare_table(results: Sequence[dict[str, Any]], labels: Sequence[str],
                   fields: Sequence[str] | None = None) -> str:
-    fields = list(fields) if fields else [f for f in HEADLINE if f in results[0]] + latency_fields(results[0])
+    fields = list(fields) if fields else metric_fields(results[0])
     base = results[0]
     header = ["metric", labels[0]]
     for label in labels[1:]:
@@ -85,7 +70,7 @@ def compare_files(paths: Sequence[str | Path], fields: Sequence[str] | None = No
 
 
 def compare_html(paths: Sequence[str | Path], report: str | Path) -> Path:
-    """The runs on one HTML page (benchmarks/html_report.py), with each run's per-request records when
+    """The runs on one HTML page (html_report.py), with each run's per-request records when
     they were saved next to it."""
     from tandem.bench import html_report
     from tandem.bench.report import load_records

@@ -1,7 +1,8 @@
 """Copy-heavy prompts, the work speculative decoding is for: edit this code, summarise with quotes,
 rewrite this JSON. Their material is what ships with Python: the standard library's own source,
 its docstrings, and tables it holds (HTTP statuses), so the same seed gives the same prompts on
-any machine with the same Python, and nothing is downloaded.
+any machine with the same Python, and nothing is downloaded. workloads.py makes the requests; prompts are
+sized with a token counter handed in, so this module needs nothing of the workloads.
 """
 
 from __future__ import annotations
@@ -11,13 +12,10 @@ import http
 import importlib
 import inspect
 import json
+from collections.abc import Callable
 from functools import cache
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from tandem.bench.workloads import Session, TextMaker, WorkloadConfig
 
 COPY_TASKS = ("edit-code", "quote-summary", "rewrite-json")
 _MODULES = ("textwrap", "json.encoder", "json.decoder", "shlex", "heapq", "bisect", "functools", "csv", "difflib",
@@ -58,45 +56,33 @@ def _statuses() -> list[dict]:
     return [{"code": s.value, "phrase": s.phrase, "description": s.description} for s in http.HTTPStatus]
 
 
-def _fit_lines(text: str, maker: TextMaker, budget: int) -> str:
+def _fit_lines(text: str, count: Callable[[str], int], budget: int) -> str:
     """Whole lines of text from the top, as many as fit in budget tokens (at least one)."""
     lines = text.splitlines()
     keep = len(lines)
-    while keep > 1 and maker.count("\n".join(lines[:keep])) > budget:
+    while keep > 1 and count("\n".join(lines[:keep])) > budget:
         keep = max(keep * 3 // 4, 1)
     return "\n".join(lines[:keep])
 
 
-def _prompt(task: str, rng: np.random.Generator, maker: TextMaker, budget: int) -> str:
+def copy_prompt(task: str, rng: np.random.Generator, count: Callable[[str], int], budget: int) -> str:
+    """One prompt of task (one of COPY_TASKS) whose material fits in about budget tokens by count."""
     if task == "edit-code":
         functions = _functions()
         code, param = functions[int(rng.integers(len(functions)))]
-        code = _fit_lines(code, maker, budget)
+        code = _fit_lines(code, count, budget)
         return (f"Rename the parameter `{param}` to `{param}_value` everywhere in this Python function and "
                 f"return the whole function, otherwise unchanged:\n\n```python\n{code}\n```")
     if task == "quote-summary":
         docs = _docstrings()
-        doc = _fit_lines(docs[int(rng.integers(len(docs)))], maker, budget)
+        doc = _fit_lines(docs[int(rng.integers(len(docs)))], count, budget)
         return f"Summarise this documentation, quoting its key sentences word for word:\n\n{doc}"
     statuses = _statuses()
     start = int(rng.integers(len(statuses)))
     rows = [statuses[(start + i) % len(statuses)] for i in range(len(statuses))]
-    data = _fit_lines(json.dumps(rows, indent=2), maker, budget)
+    data = _fit_lines(json.dumps(rows, indent=2), count, budget)
     if not data.rstrip().endswith("]"):  # cut at the last whole record
         data = data[:data.rfind("  }") + 3] + "\n]"
     return (f"Rewrite this JSON with every \"phrase\" in upper case, keeping everything else exactly as "
             f"it is:\n\n{data}")
 
-
-def gen_copy(cfg: WorkloadConfig, maker: TextMaker) -> list[Session]:
-    """num_prompts prompts of about copy_input_len tokens, the three tasks in turn, copy_output_len
-    tokens asked for each."""
-    from tandem.bench.workloads import SampleRequest, Session
-
-    rng = np.random.default_rng(cfg.seed)
-    sessions = []
-    for i in range(cfg.num_prompts):
-        task = COPY_TASKS[i % len(COPY_TASKS)]
-        text = _prompt(task, rng, maker, cfg.copy_input_len)
-        sessions.append(Session([SampleRequest(text, maker.count(text), cfg.copy_output_len, task)]))
-    return sessions

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.client import RequestRecord
-from tandem.bench.compare import HEADLINE, latency_fields
+from tandem.bench.result_fields import metric_fields
 
 # Result fields that describe the run rather than measure it, in display order.
 SETTINGS = ("label", "date", "backend", "base_url", "endpoint", "model_id", "tokenizer_id", "dataset_name",
@@ -67,10 +67,6 @@ def _page(title: str, body: str) -> str:
             f'<div class="muted">written by tandem bench at {made}</div>{body}</body></html>\n')
 
 
-def _metric_fields(result: dict[str, Any]) -> list[str]:
-    return [f for f in HEADLINE if f in result] + latency_fields(result)
-
-
 def _category_table(result: dict[str, Any]) -> str:
     cats = result.get("by_category") or {}
     if not cats:
@@ -91,7 +87,7 @@ def run_report(result: dict[str, Any], records: Sequence[RequestRecord], command
     if command:
         body.append(f"<p>Command: <code>{html.escape(command)}</code></p>")
     body += ["<h2>Metrics</h2>", _table(["metric", "value"], [[f, _cell(result.get(f))]
-                                                              for f in _metric_fields(result)])]
+                                                              for f in metric_fields(result)])]
     body.append(_category_table(result))
     ok = [r for r in records if r.success]
     if ok:
@@ -128,7 +124,7 @@ def compare_report(results: Sequence[dict[str, Any]], labels: Sequence[str],
     metric_header = ["metric", labels[0]]
     for label in labels[1:]:
         metric_header += [label, f"/ {labels[0]}"]
-    for f in _metric_fields(base):
+    for f in metric_fields(base):
         row, cls = [f, _cell(base.get(f))], ["", ""]
         for r in results[1:]:
             v, b = r.get(f), base.get(f)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tandem.bench.copy_tasks import gen_copy
+from tandem.bench.copy_tasks import COPY_TASKS, copy_prompt
 
 DATASETS = ("random", "synthetic_chat", "prefix_repetition", "multi_turn", "long_short", "mooncake_trace", "copy")
 
@@ -255,6 +255,18 @@ def gen_long_short(cfg: WorkloadConfig, maker: TextMaker) -> list[Session]:
             n_in, n_out, cat = cfg.long_short_short_input_len, cfg.long_short_short_output_len, "short"
         text, n = maker.fit(maker.draw(rng, n_in), n_in, rng)
         sessions.append(_single(text, n, n_out, cat))
+    return sessions
+
+
+def gen_copy(cfg: WorkloadConfig, maker: TextMaker) -> list[Session]:
+    """num_prompts prompts of about copy_input_len tokens (copy_tasks.py), the three tasks in turn,
+    copy_output_len tokens asked for each."""
+    rng = np.random.default_rng(cfg.seed)
+    sessions = []
+    for i in range(cfg.num_prompts):
+        task = COPY_TASKS[i % len(COPY_TASKS)]
+        text = copy_prompt(task, rng, maker.count, cfg.copy_input_len)
+        sessions.append(_single(text, maker.count(text), cfg.copy_output_len, task))
     return sessions
 
 
