@@ -12,8 +12,8 @@ from typing import Any
 
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
+from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request
-from tandem.engine.sampler import SampleLogprobs
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from tandem.engine.logprobs import SampleLogprobs
 from tandem.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tandem.engine.sampler import SampleLogprobs
 
 
 class RequestStatus(enum.IntEnum):

@@ -21,18 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request
 from tandem.ops import fused
 from tandem.sampling_params import SamplingParams
-
-
-@dataclass
-class SampleLogprobs:
-    token_id: int
-    token_logprob: float
-    token_rank: int  # 1 = the most likely token
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass
