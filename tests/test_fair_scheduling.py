@@ -8,7 +8,8 @@ from collections import Counter
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.step import SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import AdmissionSettings, Load, PromptRate, check_admission
 

@@ -28,16 +28,16 @@ import torch
 from tandem.disagg.transport import KVReceiver, KVSender, TransferHandle
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.step import ConnectorMeta, ScheduledRequest
 
 
 @dataclass
-class _SendPlan:
+class _SendPlan(ConnectorMeta):
     sends: list[tuple[TransferHandle, torch.Tensor, list[int]]] = field(default_factory=list)
     progress: dict[str, int] = field(default_factory=dict)  # request id -> blocks complete after the step
 
 
-class KVSendConnector(KVConnector):
+class KVSendConnector(KVConnector[_SendPlan]):
     def __init__(self, sender: KVSender, block_size: int) -> None:
         self.sender = sender
         self.block_size = block_size

@@ -19,8 +19,9 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
-from tandem.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tandem.engine.scheduler import Scheduler, SchedulerStats
 from tandem.engine.spec_profile import profile_step_cost, profiled_counts
+from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig

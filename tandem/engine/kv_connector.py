@@ -15,11 +15,12 @@ Scheduler half (called by `Scheduler`, once per decision):
     worker appends the token its prefill worker sampled; a store hit counts as cached tokens);
   - `request_finished`: a request ends; True keeps its blocks until `take_finished` releases them
     (something may still be reading or writing them);
-  - `build_step`: per-step metadata for the worker half, from the scheduled step.
+  - `build_step`: the step's plan for the worker half (a ConnectorMeta of the connector's own
+    type, engine/step.py), from the scheduled requests.
 
 Worker half (called by `ModelRunner`, around the forward pass):
   - `register_kv_caches`: the pool tensor, once;
-  - `start_step`: the step's metadata, before the forward pass;
+  - `start_step`: the step's plan, before the forward pass;
   - `wait_for_layer_load`: before layer i runs (a connector loading layer by layer blocks here);
   - `save_layer`: layer i's KV is in the pool (sent or saved while layer i+1 computes);
   - `finish_step`: after the forward pass (whole-block saves happen here).
@@ -32,13 +33,14 @@ from the store and sends to a decode worker).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.engine.request import Request
-    from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.request import Request
+from tandem.engine.step import ConnectorMeta, ScheduledRequest
+
+MetaT = TypeVar("MetaT", bound=ConnectorMeta)
 
 
 @dataclass
@@ -52,8 +54,9 @@ class FinishedTransfers:
         self.released |= other.released
 
 
-class KVConnector:
-    """The null connector: the pool is all there is. Subclasses override what they use."""
+class KVConnector(Generic[MetaT]):
+    """The null connector: the pool is all there is. Subclasses override what they use; MetaT is
+    the type of the per-step plan that build_step makes and start_step reads."""
 
     # -- scheduler half -------------------------------------------------------------------------
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -72,7 +75,7 @@ class KVConnector:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         return False
 
-    def build_step(self, items: list[ScheduledRequest]) -> Any:
+    def build_step(self, items: list[ScheduledRequest]) -> MetaT | None:
         return None
 
     def busy(self) -> bool:
@@ -90,7 +93,7 @@ class KVConnector:
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         pass
 
-    def start_step(self, meta: Any) -> None:
+    def start_step(self, meta: MetaT | None) -> None:
         pass
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -114,7 +117,12 @@ class KVConnector:
         pass
 
 
-class MultiConnector(KVConnector):
+@dataclass
+class MultiMeta(ConnectorMeta):
+    parts: list[ConnectorMeta | None]  # each connector's plan, in the connectors' order
+
+
+class MultiConnector(KVConnector[MultiMeta]):
     """Several connectors in order: the first that can load a request's tokens loads them; every
     one sees every step and every finished request."""
 
@@ -149,8 +157,8 @@ class MultiConnector(KVConnector):
         self._owner.pop(request.request_id, None)
         return any([c.request_finished(request, block_ids) for c in self.connectors])  # every one is told
 
-    def build_step(self, items: list[ScheduledRequest]) -> Any:
-        return [c.build_step(items) for c in self.connectors]
+    def build_step(self, items: list[ScheduledRequest]) -> MultiMeta:
+        return MultiMeta([c.build_step(items) for c in self.connectors])
 
     def busy(self) -> bool:
         return any(c.busy() for c in self.connectors)
@@ -169,8 +177,9 @@ class MultiConnector(KVConnector):
         for c in self.connectors:
             c.register_kv_caches(kv_caches)
 
-    def start_step(self, meta: Any) -> None:
-        for c, m in zip(self.connectors, meta or [None] * len(self.connectors), strict=True):
+    def start_step(self, meta: MultiMeta | None) -> None:
+        parts = meta.parts if meta is not None else [None] * len(self.connectors)
+        for c, m in zip(self.connectors, parts, strict=True):
             c.start_step(m)
 
     def wait_for_layer_load(self, layer: int) -> None:

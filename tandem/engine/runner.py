@@ -19,7 +19,7 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request
 from tandem.engine.sampler import sample, token_logprobs
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.model.arch import ArchConfig

@@ -16,35 +16,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.fair_queue import FairQueue, order_key
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.step import ScheduledRequest, SchedulerOutput
 from tandem.kv.manager import KVCacheManager
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-    connector_meta: Any = None  # the KV connector's plan for this step (its worker half runs it)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass

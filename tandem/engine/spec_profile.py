@@ -9,7 +9,7 @@ import numpy as np
 
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
-from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.step import ScheduledRequest, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.speculative.policy import StepCost
 

@@ -26,7 +26,7 @@ import torch
 
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request
-from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.step import ConnectorMeta, ScheduledRequest
 from tandem.kv.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,14 @@ class _Load:
 
 
 @dataclass
+class _SavePlan(ConnectorMeta):
+    """The blocks a step fills that no tier holds yet: copied out once the step is computed."""
+
+    keys: list[int]
+    block_ids: list[int]
+
+
+@dataclass
 class StoreCounters:
     loaded_tokens: int = 0
     load_requests: int = 0
@@ -53,14 +61,14 @@ class StoreCounters:
     tier_hits: dict[str, int] = field(default_factory=dict)  # blocks loaded, by tier
 
 
-class StoreConnector(KVConnector):
+class StoreConnector(KVConnector[_SavePlan]):
     def __init__(self, store: TieredStore, block_size: int, max_pending_saves: int = 256) -> None:
         self.store = store
         self.block_size = block_size
         self.counters = StoreCounters()
         self._kv: torch.Tensor | None = None
         self._saved: dict[str, int] = {}  # request id -> blocks considered for saving
-        self._plan: list[tuple[list[int], list[int]]] | None = None
+        self._plan: _SavePlan | None = None
         self._loads: dict[str, _Load] = {}
         self._loaded: dict[str, int] = {}  # finished, not yet taken: request id -> tokens
         self._released: set[str] = set()
@@ -109,7 +117,7 @@ class StoreConnector(KVConnector):
             load.cancelled = True  # the loader may be writing its blocks: they are freed when it is done
             return True
 
-    def build_step(self, items: list[ScheduledRequest]) -> list[tuple[list[int], list[int]]] | None:
+    def build_step(self, items: list[ScheduledRequest]) -> _SavePlan | None:
         keys: list[int] = []
         block_ids: list[int] = []
         for item in items:
@@ -122,7 +130,7 @@ class StoreConnector(KVConnector):
                     keys.append(request.block_hashes[i])
                     block_ids.append(item.block_ids[i])
             self._saved[request.request_id] = max(start, full)
-        return [(keys, block_ids)] if keys else None
+        return _SavePlan(keys, block_ids) if keys else None
 
     def reset(self, request_id: str) -> None:
         self._saved.pop(request_id, None)
@@ -150,25 +158,23 @@ class StoreConnector(KVConnector):
         if nbytes != self.store.block_nbytes:
             raise ValueError(f"the store holds blocks of {self.store.block_nbytes} bytes; this pool's are {nbytes}")
 
-    def start_step(self, meta: Any) -> None:
+    def start_step(self, meta: _SavePlan | None) -> None:
         self._plan = meta
 
     def finish_step(self) -> None:
         """Copy the blocks this step filled out of the pool (the step's compute is done) for the saver."""
         plan, self._plan = self._plan, None
-        if not plan or self._kv is None:
+        if plan is None or self._kv is None:
             return
-        for keys, block_ids in plan:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=self._kv.device)
-            blocks = self._kv.index_select(2, ids).movedim(2, 0).contiguous().cpu()  # [n, layers, 2, ...]
-            try:
-                self._save_queue.put_nowait((keys, blocks))
-            except queue.Full:  # the store is a cache: these blocks are recomputed if they are needed again
-                self.counters.dropped_saves += len(keys)
-                self._drops += 1
-                if self._drops & (self._drops - 1) == 0:  # the 1st, 2nd, 4th... time
-                    log.warning("the KV store's saver is behind: %d blocks not saved so far",
-                                self.counters.dropped_saves)
+        ids = torch.tensor(plan.block_ids, dtype=torch.long, device=self._kv.device)
+        blocks = self._kv.index_select(2, ids).movedim(2, 0).contiguous().cpu()  # [n, layers, 2, ...]
+        try:
+            self._save_queue.put_nowait((plan.keys, blocks))
+        except queue.Full:  # the store is a cache: these blocks are recomputed if they are needed again
+            self.counters.dropped_saves += len(plan.keys)
+            self._drops += 1
+            if self._drops & (self._drops - 1) == 0:  # the 1st, 2nd, 4th... time
+                log.warning("the KV store's saver is behind: %d blocks not saved so far", self.counters.dropped_saves)
 
     def _run_saves(self) -> None:
         while (job := self._save_queue.get()) is not None:

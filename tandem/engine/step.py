@@ -1,0 +1,38 @@
+"""A scheduled step, as the scheduler hands it to the runner and the KV connector: which requests
+compute how many new tokens into which blocks, and the connector's plan for the step. Below both
+the scheduler and the connector, so that neither imports the other for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.request import Request
+
+
+@dataclass
+class ConnectorMeta:
+    """A KV connector's plan for one step: its scheduler half builds it from the scheduled requests
+    (`build_step`), its worker half carries it out around the forward pass (`start_step`). Each
+    connector subclasses it with what its worker half needs."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+    connector_meta: ConnectorMeta | None = None  # the KV connector's plan for this step (its worker half runs it)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
