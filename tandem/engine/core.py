@@ -23,6 +23,7 @@ from tandem.engine.scheduler import Scheduler, SchedulerStats
 from tandem.engine.spec_profile import profile_step_cost, profiled_counts
 from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import Grammars, StructuredState
+from tandem.kv.block_pool import BlockEvent
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
@@ -167,6 +168,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        """The ids of the requests the engine holds: every one not finished yet."""
+        return list(self.scheduler.requests)
+
+    def take_kv_events(self) -> list[BlockEvent]:
+        """The prefix cache's changes since the last call, for whoever mirrors it (a router's index)."""
+        return self.scheduler.take_kv_events()
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()

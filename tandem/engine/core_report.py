@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandem.kv.store.tier import merge_tier_stats
+
+if TYPE_CHECKING:  # for the annotations only: the reports stay plain data, importing no engine or model
+    from tandem.engine.core import EngineCore
+    from tandem.model.loader import LoadedModel
 
 
 @dataclass
@@ -35,7 +39,7 @@ class CoreStats:
     decode_busy_s: float = 0.0
     num_decode_steps: int = 0
     num_decoding: int = 0  # running requests past their prompt: whom a new prompt's chunks would stall
-    # Speculative decoding (spec/decoder.py SpecStats): verifications with drafts, drafts verified,
+    # Speculative decoding (speculative/decoder.py SpecStats): verifications with drafts, drafts verified,
     # drafts accepted, and accepted drafts at each position.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -70,8 +74,8 @@ class CoreInfo:
     weight_formats: tuple[str, ...] = ()  # the linear methods in use (model/linear.py), e.g. gguf-Q4_1
 
 
-def core_info(core: Any, loaded: Any) -> CoreInfo:
-    """core: an EngineCore; loaded: the LoadedModel it runs."""
+def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
+    """loaded: the model the core runs."""
     from tandem.engine.kv_layout import engine_kv_layout
     from tandem.model.linear import weight_bytes, weight_formats
 
@@ -84,16 +88,14 @@ def core_info(core: Any, loaded: Any) -> CoreInfo:
                     weight_bytes(loaded.model), per_token, weight_formats(loaded.model))
 
 
-def core_stats(core: Any) -> CoreStats:
-    """core: an EngineCore."""
+def core_stats(core: EngineCore) -> CoreStats:
     s = core.stats()
-    usage = core.scheduler.kv.usage()
     spec = core.spec.stats if core.spec is not None else None
-    return CoreStats(s.num_running, s.num_waiting, s.kv_usage, usage.num_used_blocks, usage.num_blocks,
+    return CoreStats(s.num_running, s.num_waiting, s.kv_usage, s.num_used_blocks, s.num_blocks,
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
                      core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
-                     core.connector.stats().get("tiers", {}), core.scheduler.num_waiting_prompt_tokens(),
-                     core.decode_busy_s, core.num_decode_steps, core.scheduler.num_decoding(),
+                     core.connector.stats().get("tiers", {}), s.num_waiting_prompt_tokens,
+                     core.decode_busy_s, core.num_decode_steps, s.num_decoding,
                      *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
                        if spec else ()))
 

@@ -22,6 +22,7 @@ from tandem.engine.fair_queue import FairQueue, order_key
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ScheduledRequest, SchedulerOutput
+from tandem.kv.block_pool import BlockEvent
 from tandem.kv.manager import KVCacheManager
 
 
@@ -49,6 +50,10 @@ class SchedulerStats:
     num_preemptions: int
     prefix_queries: int
     prefix_hits: int
+    num_used_blocks: int
+    num_blocks: int
+    num_waiting_prompt_tokens: int
+    num_decoding: int
 
 
 class Scheduler:
@@ -125,6 +130,10 @@ class Scheduler:
 
     def num_decoding(self) -> int:
         return sum(not self._is_prompt_work(r) for r in self.running)
+
+    def take_kv_events(self) -> list[BlockEvent]:
+        """The prefix cache's changes since the last call (recorded when KV events are enabled)."""
+        return self.kv.pool.take_events()
 
     def has_unfinished(self) -> bool:
         # A request waiting for its KV needs no steps, unless the connector's work finishes by itself.
@@ -358,5 +367,8 @@ class Scheduler:
         return None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting) + len(self._ready), self.kv.usage().usage,
-                              self.num_preemptions, self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)
+        usage = self.kv.usage()
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self._ready), usage.usage,
+                              self.num_preemptions, self.kv.prefix_stats.queries, self.kv.prefix_stats.hits,
+                              usage.num_used_blocks, usage.num_blocks, self.num_waiting_prompt_tokens(),
+                              self.num_decoding())

@@ -108,7 +108,7 @@ class EngineService:
         except Exception as e:
             # A failed step fails the requests in it, not the engine: free them and carry on.
             log.error("engine step failed: %s", traceback.format_exc())
-            failed = list(self.core.scheduler.requests)
+            failed = self.core.request_ids()
             self.abort(failed)
             self.send(RequestsFailed(failed, f"engine error: {type(e).__name__}: {e}"))
             return
@@ -119,7 +119,7 @@ class EngineService:
         outputs = self.on_outputs([o for o in outputs if o.error is None])
         if outputs:
             self._report(outputs)
-        events = self.core.scheduler.kv.pool.take_events()
+        events = self.core.take_kv_events()
         if events:
             self.send(KVEvents(events, self._kv_seq))
             self._kv_seq += 1
@@ -129,5 +129,5 @@ class EngineService:
         self._last_report = time.monotonic()
 
     def close(self) -> None:
-        self.abort(list(self.core.scheduler.requests))
+        self.abort(self.core.request_ids())
         self.core.close()
