@@ -6,6 +6,7 @@ equal across processes; aborts during loads leak nothing.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -172,21 +173,26 @@ def test_aborts_during_loads_leak_nothing(tiny: Path, shm_path: str) -> None:
     core.close()
 
 
-@pytest.mark.parametrize("algo", ["sha256"])
-def test_block_keys_are_equal_in_another_process(tiny: Path, algo: str) -> None:
-    """Keys carry the model's fingerprint and the block size; a router or another worker gets the same."""
-    code = ("import sys, torch\n"
+def keys_code(path: Path, algo: str, kv_cache_dtype: str = "auto") -> str:
+    """A program that prints the block keys an engine on path gives a salted 20-token prompt."""
+    return ("import sys, torch\n"
             "from tandem.config import EngineConfig\n"
             "from tandem.engine.core import EngineCore\n"
             "from tandem.engine.request import Request\n"
             "from tandem.model.loader import load_model\n"
             "from tandem.sampling_params import SamplingParams\n"
-            f"config = EngineConfig.from_kwargs({str(tiny)!r}, dtype='float32', num_blocks=16, block_size={BLOCK},"
-            f" prefix_caching_hash_algo={algo!r})\n"
-            f"core = EngineCore(config, load_model({str(tiny)!r}, torch.float32).model)\n"
+            f"config = EngineConfig.from_kwargs({str(path)!r}, dtype='float32', num_blocks=16, block_size={BLOCK},"
+            f" prefix_caching_hash_algo={algo!r}, kv_cache_dtype={kv_cache_dtype!r})\n"
+            f"core = EngineCore(config, load_model({str(path)!r}, torch.float32).model)\n"
             "r = Request('r', list(range(20)), SamplingParams(), cache_salt='tenant')\n"
             "core.scheduler.kv.update_block_hashes(r)\n"
             "print(r.block_hashes)")
+
+
+@pytest.mark.parametrize("algo", ["sha256"])
+def test_block_keys_are_equal_in_another_process(tiny: Path, algo: str) -> None:
+    """Keys carry the model's fingerprint and the block size; a router or another worker gets the same."""
+    code = keys_code(tiny, algo)
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)]
     assert runs[0] == runs[1] and len(eval(runs[0])) == 5
@@ -194,6 +200,21 @@ def test_block_keys_are_equal_in_another_process(tiny: Path, algo: str) -> None:
     code_other = code.replace(str(tiny), str(other))
     assert subprocess.run([sys.executable, "-c", code_other], capture_output=True, text=True,
                           check=True).stdout != runs[0]
+
+
+@pytest.mark.parametrize("algo", ["builtin", "sha256"])
+def test_int8_cache_keys_are_equal_under_any_hash_seed(tiny: Path, algo: str) -> None:
+    """An int8 cache's keys carry its layout's name, a str: they must not follow PYTHONHASHSEED, and
+    must still differ from a float cache's (other bytes, never each other's hits)."""
+    def keys(kv_cache_dtype: str, seed: int) -> list[int]:
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        out = subprocess.run([sys.executable, "-c", keys_code(tiny, algo, kv_cache_dtype)], capture_output=True,
+                             text=True, check=True, env=env).stdout
+        return ast.literal_eval(out)
+
+    int8 = keys("int8", 1)
+    assert len(int8) == 5 and keys("int8", 2) == int8
+    assert set(keys("auto", 1)).isdisjoint(int8)
 
 
 def test_mooncake_tier_through_the_engine(tiny: Path) -> None:
