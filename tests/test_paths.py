@@ -55,7 +55,7 @@ class Cluster:
         for i, role in enumerate(roles):
             wid = f"{role}-{i}"
             info = WorkerInfo(wid, role, self.dispatch.info, None, "h", i, None)
-            self.workers[wid] = self.registry.join(wid.encode(), info, [])
+            self.workers[wid] = self.registry.join(wid.encode(), info)
 
     async def _send(self, worker: object, msg: object) -> bool:
         return True

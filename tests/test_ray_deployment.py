@@ -94,7 +94,7 @@ def test_the_ray_launcher_sees_room_on_the_cluster(ray_head: str) -> None:
     try:
         assert connect(ray_head) == ray.nodes()[0]["NodeManagerAddress"]  # the address the cluster knows
         launcher = ray_launcher(1, 1, 0, 1, [], {}, b"secret", "WARNING")
-        assert set(launcher.roles) == {"prefill-0", "decode-0"} and launcher.new_slot() == [0]
+        assert set(launcher.specs) == {"prefill-0", "decode-0"} and launcher.new_slot() == [0]
         deadline = time.monotonic() + 30
         while not launcher.can_grow():  # the previous test's actors are being released
             assert time.monotonic() < deadline

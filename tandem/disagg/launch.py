@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from tandem.disagg.launcher import Roster, roster
 from tandem.disagg.wire import SECRET_ENV
 
 
@@ -41,39 +42,30 @@ def assign_cores(num_workers: int, specs: list[str] | None) -> list[list[int]]:
 
 
 @dataclass
-class LocalLauncher:
-    """Starts this host's workers (the router calls it with its address once it listens) and starts a
-    dead one again, with the same id, role and cores. engine_argv goes to every worker, then
-    role_argv[role] (later flags win: each pool tuned for its phase, e.g. a larger token budget for
-    prefill workers)."""
+class LocalLauncher(Roster):
+    """Starts this host's workers (the launcher interface, launcher.py) and starts a dead one again, with
+    the same id, role and cores. engine_argv goes to every worker, then role_argv[role] (later flags
+    win: each pool tuned for its phase, e.g. a larger token budget for prefill workers). Not elastic:
+    the planner only moves a worker's cores to the other pool."""
 
-    roles: dict[str, tuple[str, list[int]]]  # worker id -> (role, cores)
     engine_argv: list[str]
     role_argv: dict[str, list[str]]
     kv_transport: str
     secret: bytes
     log_level: str
 
-    def __call__(self, router_address: str) -> list[subprocess.Popen]:
-        return [self.start(worker_id, router_address) for worker_id in self.roles]
-
     def start(self, worker_id: str, router_address: str) -> subprocess.Popen:
-        role, core_set = self.roles[worker_id]
-        argv = [sys.executable, "-m", "tandem.cli", "--log-level", self.log_level, "worker", "--role", role,
-                "--router", router_address, "--worker-id", worker_id, "--cores", ",".join(map(str, core_set)),
+        spec = self.specs[worker_id]
+        argv = [sys.executable, "-m", "tandem.cli", "--log-level", self.log_level, "worker", "--role", spec.role,
+                "--router", router_address, "--worker-id", worker_id, "--cores", ",".join(map(str, spec.cores)),
                 "--kv-transport", self.kv_transport, "--parent-pid", str(os.getpid()), *self.engine_argv,
-                *self.role_argv.get(role, [])]
+                *self.role_argv.get(spec.role, [])]
         return subprocess.Popen(argv, env={**os.environ, SECRET_ENV: self.secret.decode()})
 
 
 def local_launcher(num_prefill: int, num_decode: int, core_specs: list[str] | None, engine_argv: list[str],
                    role_argv: dict[str, list[str]], kv_transport: str, secret: bytes, log_level: str,
                    num_colocated: int = 0) -> LocalLauncher:
-    roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
-    cores = assign_cores(len(roles), core_specs)
-    counts = {"prefill": 0, "decode": 0, "colocated": 0}
-    workers = {}
-    for role, core_set in zip(roles, cores, strict=True):
-        workers[f"{role}-{counts[role]}"] = (role, core_set)
-        counts[role] += 1
-    return LocalLauncher(workers, engine_argv, role_argv, kv_transport, secret, log_level)
+    cores = assign_cores(num_prefill + num_decode + num_colocated, core_specs)
+    specs = roster({"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}, cores)
+    return LocalLauncher(specs, engine_argv, role_argv, kv_transport, secret, log_level)

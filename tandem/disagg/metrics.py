@@ -1,17 +1,45 @@
 """Prometheus metrics of a disaggregated deployment, exported by the router next to the usual ones:
 per worker (role, liveness, KV blocks, transfer bytes and times) and the router's own (reserve waits,
-retries, colocated fallbacks, worker deaths)."""
+retries, colocated fallbacks, worker deaths). The router hands the exporter a ClusterSnapshot at each
+scrape, and takes of the server's metrics only a MetricsSink: the registry, the model's name and the
+collectors run before each render."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tandem.disagg.registry import WorkerHandle
+from tandem.disagg.settings import RouterCounters
 from tandem.serve.metrics import LATENCY_BUCKETS
 
-if TYPE_CHECKING:
-    from tandem.disagg.router import DisaggEngine
+
+class MetricsSink(Protocol):
+    """Where the router's series go: the server's metrics (tandem.serve.metrics.ServerMetrics) has this face."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def collectors(self) -> list[Callable[[], object]]:
+        """Run before each render of the metrics page."""
+
+
+@dataclass
+class ClusterSnapshot:
+    """What the exporter reads of the router at a scrape."""
+
+    workers: Iterable[WorkerHandle]
+    counters: RouterCounters  # its reserve waits and path records are drained by the exporter
+    restarts: int
+    planner_flips: dict[tuple[str, str], int] | None = None  # (from role, to role) -> flips; None: no planner
+    planner_forecast_tok_s: float = 0.0
 
 
 class DisaggMetrics:
@@ -88,9 +116,9 @@ class DisaggMetrics:
             series.inc(delta)
         self._last[key] = value
 
-    def collect(self, engine: DisaggEngine) -> None:
+    def collect(self, cluster: ClusterSnapshot) -> None:
         m = self.model_name
-        for worker in engine.workers.values():
+        for worker in cluster.workers:
             labels = (m, worker.worker_id, worker.role)
             self.up.labels(*labels).set(1 if worker.alive else 0)
             if worker.stats is None:
@@ -107,17 +135,17 @@ class DisaggMetrics:
                 self._inc(counter, labels, value)
             self._inc(self.transfers, (*labels, "ok"), t.transfers_ok)
             self._inc(self.transfers, (*labels, "failed"), t.transfers_failed)
-        c = engine.counters
+        c = cluster.counters
         waits, c.reserve_wait_s = c.reserve_wait_s, []
         for wait in waits:
             self.reserve_wait.labels(m).observe(wait)
         self._inc(self.retries, (m,), c.retries)
         self._inc(self.fallbacks, (m,), c.fallbacks)
         self._inc(self.deaths, (m,), c.worker_deaths)
-        self._inc(self.restarts, (m,), engine.restarter.count)
+        self._inc(self.restarts, (m,), cluster.restarts)
         self._inc(self.prefill_free, (m,), c.prefill_free)
-        if engine.planning is not None:
-            for (src, dst), n in engine.planning.flips.items():
+        if cluster.planner_flips is not None:
+            for (src, dst), n in cluster.planner_flips.items():
                 self._inc(self.planner_flips, (m, src, dst), n)
         for path, record in c.paths.items():
             for key, pred, meas in (("ttft", record.predicted_ttft_s, record.measured_ttft_s),
@@ -128,8 +156,8 @@ class DisaggMetrics:
                     self.measured[key].labels(m, path).observe(v)
                 pred.clear()
                 meas.clear()
-        if engine.planning is not None:
-            self.forecast.labels(m).set(engine.planning.planner.last_forecast_tok_s)
+        if cluster.planner_flips is not None:
+            self.forecast.labels(m).set(cluster.planner_forecast_tok_s)
         for wid, n in c.requests.items():
             self._inc(self.requests, (m, wid), n)
         for path, n in c.routed.items():

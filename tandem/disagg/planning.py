@@ -1,7 +1,8 @@
 """The planner at work in the router: hears of each arrival and finished request, asks the Planner
 every interval (with the workers' roles and measured prefill capacity), and carries out its
 decisions by flipping a local worker's role, or, on an elastic launcher (Ray), by placing a worker
-more or releasing one.
+more or releasing one. It acts through what the router hands it: the registry (to read), a
+WorkerControl (the router's WorkerFleet: the launcher's workers) and a send (a message to a worker).
 
 A flip drains the worker first (no new requests are routed to it; the ones it serves finish), then
 stops it and starts a worker of the other role on the same cores, which joins like any worker.
@@ -14,26 +15,55 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+from tandem.disagg.launcher import WorkerSpec
 from tandem.disagg.messages import ROLES
 from tandem.disagg.planner import Planner, PlannerAction, PlannerSettings
-from tandem.disagg.registry import PREFILL_CAPABLE
+from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.engine.messages import Shutdown
-
-if TYPE_CHECKING:
-    from tandem.disagg.registry import WorkerHandle
-    from tandem.disagg.router import DisaggEngine
 
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
 ACTIONS_KEPT = 100
+
+Send = Callable[[WorkerHandle, object], Awaitable[bool]]  # a message to a worker; False: it is gone
+
+
+class WorkerControl(Protocol):
+    """What the planner may do to the workers the router started (fleet.py's WorkerFleet)."""
+
+    @property
+    def launches(self) -> bool:
+        """There are local workers to move at all (the router has a launcher)."""
+
+    @property
+    def elastic(self) -> bool: ...
+
+    def can_grow(self) -> bool: ...
+
+    def spec(self, worker_id: str) -> WorkerSpec: ...
+
+    async def wait(self, pid: int, timeout: float) -> None:
+        """Until the process exits (subprocess.TimeoutExpired after timeout)."""
+
+    def change_role(self, worker_id: str, role: str) -> str:
+        """The stopped worker's cores to a new worker of the role, started; its id."""
+
+    def add(self, role: str) -> str:
+        """Elastic: a new worker of the role, started; its id."""
+
+    def release(self, worker_id: str) -> None:
+        """The stopped worker leaves the deployment; its cores are free."""
 
 
 class PlannerLoop:
-    def __init__(self, engine: DisaggEngine, settings: PlannerSettings) -> None:
-        self.engine = engine
+    def __init__(self, settings: PlannerSettings, registry: WorkerRegistry, workers: WorkerControl,
+                 send: Send) -> None:
+        self.registry, self.workers, self.send = registry, workers, send
         self.settings = settings
         self.planner = Planner(settings)
         self.flips: dict[tuple[str, str], int] = {}  # (from role, to role) -> flips carried out
@@ -46,14 +76,14 @@ class PlannerLoop:
         self.planner.observe_arrival(prompt_tokens)
 
     def decide(self) -> PlannerAction | None:
-        reg = self.engine.registry
+        reg = self.registry
         workers = reg.routable()
         roles = {role: sum(w.role == role for w in workers) for role in ROLES}
         capable = [reg.speed(w).prefill_tok_s for w in workers if w.role in PREFILL_CAPABLE]
         # An elastic launcher (Ray) can place a worker more when the cluster has room, and let one go.
-        launch = self.engine.launch
-        elastic = launch is not None and hasattr(launch, "can_grow")
-        return self.planner.decide(roles, sum(capable) if capable else None, elastic and launch.can_grow(), elastic)
+        elastic = self.workers.elastic
+        return self.planner.decide(roles, sum(capable) if capable else None, elastic and self.workers.can_grow(),
+                                   elastic)
 
     async def run(self) -> None:
         while True:
@@ -77,34 +107,33 @@ class PlannerLoop:
     async def flip(self, action: PlannerAction) -> bool:
         """Carry out an action: a role change (drain, stop, start the other role on its cores), or on an
         elastic launcher a worker more (empty from_role) or fewer (empty to_role). False: not done."""
-        launch = self.engine.launch
-        if launch is None:
+        fleet = self.workers
+        if not fleet.launches:
             return False
+        new_id = None
         if action.from_role:
-            cores = await self._retire(action.from_role)
-            if cores is None:
+            retired = await self._retire(action.from_role)
+            if retired is None:
                 return False
-        else:
-            cores = launch.new_slot()
-        if action.to_role:
-            new_id = next(f"{action.to_role}-{i}" for i in range(len(launch.roles) + 1)
-                          if f"{action.to_role}-{i}" not in launch.roles)
-            launch.roles[new_id] = (action.to_role, cores)
-            self.engine._procs.append(launch.start(new_id, self.engine.address))
-            log.warning("planner: %s starts on cores %s", new_id, cores)
+            if action.to_role:
+                new_id = fleet.change_role(retired, action.to_role)
+            else:
+                fleet.release(retired)
+        elif action.to_role:
+            new_id = fleet.add(action.to_role)
+        if new_id is not None:
+            log.warning("planner: %s starts on cores %s", new_id, fleet.spec(new_id).cores)
         key = (action.from_role, action.to_role)
         self.flips[key] = self.flips.get(key, 0) + 1
         return True
 
-    async def _retire(self, role: str) -> list[int] | None:
-        """Drain the least-loaded local worker of the role and stop it; its cores (None: none could go)."""
-        e = self.engine
-        launch = e.launch
-        local = [w for w in e.registry.routable(role) if w.proc is not None and launch is not None]
+    async def _retire(self, role: str) -> str | None:
+        """Drain the least-loaded local worker of the role and stop it; its id (None: none could go)."""
+        local = [w for w in self.registry.routable(role) if w.local]
         if not local:
             log.warning("planner: no local %s worker to take", role)
             return None
-        worker: WorkerHandle = min(local, key=lambda w: (w.load, w.worker_id))
+        worker = min(local, key=lambda w: (w.load, w.worker_id))
         worker.draining = True
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while worker.inflight and worker.alive and time.monotonic() < deadline:
@@ -117,9 +146,7 @@ class PlannerLoop:
             worker.draining = False
             return None
         worker.alive = False  # retired, not dead: nothing reroutes or restarts it
-        await e._send(worker, Shutdown())
-        assert worker.proc is not None
-        await asyncio.get_running_loop().run_in_executor(None, worker.proc.wait, 30)
-        _, cores = launch.roles.pop(worker.worker_id)
+        await self.send(worker, Shutdown())
+        await self.workers.wait(worker.info.pid, STOP_TIMEOUT_S)
         log.warning("planner: %s drained and stopped", worker.worker_id)
-        return cores
+        return worker.worker_id

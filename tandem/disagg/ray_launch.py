@@ -1,6 +1,7 @@
 """Workers as Ray actors: `tandem serve --ray [ADDRESS]` places each worker in a placement group of
 its own (Ray picks the host), and the router sees each actor as it sees a local worker process (pid,
-poll, wait, kill), so death detection, restarts and the planner's role flips work unchanged.
+poll, wait, kill: launcher.py's WorkerProcess), so death detection, restarts and the planner's role
+flips work unchanged; being elastic, the planner may also add workers and release them.
 
 Ray is optional (the `ray` extra); nothing here is imported unless --ray is given. KV moves between
 hosts over the ZeroMQ transport (each decode actor binds its receiver on its node's address); tokens
@@ -12,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from tandem.disagg.launcher import Roster, roster
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,9 @@ class WorkerActor:
         import argparse
 
         from tandem import logs
-        from tandem.engine.args import add_engine_args, engine_kwargs
         from tandem.config import EngineConfig
         from tandem.disagg.worker import run_worker
+        from tandem.engine.args import add_engine_args, engine_kwargs
 
         logs.setup(log_level, process=worker_id)
         parser = argparse.ArgumentParser()
@@ -121,22 +124,22 @@ class RayWorkerProcess:
 
 
 @dataclass
-class RayLauncher:
-    """The local launcher's interface (roles, start, called with the router's address) over Ray.
-    roles maps a worker id to (role, a list as long as its CPU count): the planner moves that list
-    to the worker that takes the role over."""
+class RayLauncher(Roster):
+    """The launcher interface (launcher.py) over Ray, elastic: a spec's cores are a list as long as its
+    CPU count (the planner moves that list to the worker that takes the role over), and a worker more
+    gets cpus_per_worker of them where the cluster has room."""
 
-    roles: dict[str, tuple[str, list[int]]]
     engine_argv: list[str]
     role_argv: dict[str, list[str]]
     secret: bytes
     log_level: str
     placement_timeout_s: float = 120.0
-    procs: list[RayWorkerProcess] = field(default_factory=list)
     cpus_per_worker: int = 1
     # Where decode actors bind their KV receivers: None, their node's address; a router bound to
     # loopback (one host) keeps them on loopback too.
     kv_host: str | None = None
+
+    elastic = True
 
     def can_grow(self) -> bool:
         """Room on the cluster for one more worker (the planner may then add one)."""
@@ -145,16 +148,13 @@ class RayLauncher:
     def new_slot(self) -> list[int]:
         return list(range(self.cpus_per_worker))
 
-    def __call__(self, router_address: str) -> list[RayWorkerProcess]:
-        return [self.start(worker_id, router_address) for worker_id in self.roles]
-
     def start(self, worker_id: str, router_address: str) -> RayWorkerProcess:
         ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        role, cpu_slots = self.roles[worker_id]
-        cpus = max(len(cpu_slots), 1)
+        spec = self.specs[worker_id]
+        cpus = max(len(spec.cores), 1)
         group = placement_group([{"CPU": cpus}], strategy="STRICT_PACK", name=f"tandem-{worker_id}")
         ready, _ = ray.wait([group.ready()], timeout=self.placement_timeout_s)
         if not ready:
@@ -162,21 +162,17 @@ class RayLauncher:
         actor = _actor_class().options(num_cpus=cpus, name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=group)).remote()
         pid = ray.get(actor.pid.remote())
-        argv = [*self.engine_argv, *self.role_argv.get(role, [])]
-        run_ref = actor.run.remote(argv, role, router_address, self.secret, worker_id, cpus, self.log_level,
+        argv = [*self.engine_argv, *self.role_argv.get(spec.role, [])]
+        run_ref = actor.run.remote(argv, spec.role, router_address, self.secret, worker_id, cpus, self.log_level,
                                    self.kv_host)
-        log.warning("worker %s (%s) placed as a Ray actor, pid %d", worker_id, role, pid)
-        proc = RayWorkerProcess(actor, group, run_ref, pid)
-        self.procs.append(proc)
-        return proc
+        log.warning("worker %s (%s) placed as a Ray actor, pid %d", worker_id, spec.role, pid)
+        return RayWorkerProcess(actor, group, run_ref, pid)
 
 
 def ray_launcher(num_prefill: int, num_decode: int, num_colocated: int, cpus_per_worker: int, engine_argv: list[str],
                  role_argv: dict[str, list[str]], secret: bytes, log_level: str,
                  kv_host: str | None = None) -> RayLauncher:
-    roles: dict[str, tuple[str, list[int]]] = {}
-    for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
-        for i in range(n):
-            roles[f"{role}-{i}"] = (role, list(range(cpus_per_worker)))
-    return RayLauncher(roles, engine_argv, role_argv, secret, log_level, cpus_per_worker=cpus_per_worker,
+    counts = {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}
+    specs = roster(counts, [list(range(cpus_per_worker)) for _ in range(sum(counts.values()))])
+    return RayLauncher(specs, engine_argv, role_argv, secret, log_level, cpus_per_worker=cpus_per_worker,
                        kv_host=kv_host)

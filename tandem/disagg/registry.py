@@ -3,8 +3,8 @@ reported, how fast it is (latency.py) and which prompt blocks it holds (prefix_i
 
 from __future__ import annotations
 
-import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.disagg.latency import Speed, WorkerRates, fleet_speed
@@ -24,7 +24,7 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     alive: bool = True
     inflight: set[str] = field(default_factory=set)
-    proc: subprocess.Popen | None = None
+    local: bool = False  # its process is one the router started (fleet.py): watched and restarted there
     joined: float = field(default_factory=time.monotonic)
     draining: bool = False  # the planner is taking it out of its pool: no new requests
     rates: WorkerRates = field(default_factory=WorkerRates)
@@ -52,15 +52,15 @@ class WorkerRegistry:
     def get(self, ident: bytes) -> WorkerHandle | None:
         return self.workers.get(ident)
 
-    def join(self, ident: bytes, info: WorkerInfo, procs: list[subprocess.Popen]) -> WorkerHandle | None:
-        """A worker registered: the new handle, or None when it was known and alive (a repeat)."""
+    def join(self, ident: bytes, info: WorkerInfo, local: bool = False) -> WorkerHandle | None:
+        """A worker registered (local: in a process the router started): the new handle, or None when it
+        was known and alive (a repeat)."""
         old = self.workers.get(ident)
         if old is not None and old.alive:
             old.info = info
             return None
-        worker = WorkerHandle(info, ident)
+        worker = WorkerHandle(info, ident, local=local)
         self.index.forget(info.worker_id)  # a new or restarted worker: its pool is empty
-        worker.proc = next((p for p in procs if p.pid == info.pid), None)
         self.workers[ident] = worker
         return worker
 
@@ -80,14 +80,17 @@ class WorkerRegistry:
         """Live workers of these roles (any, without) that take new requests (not being drained)."""
         return [w for w in self.workers.values() if w.alive and not w.draining and (not roles or w.role in roles)]
 
-    def silent_or_exited(self, heartbeat_timeout: float) -> list[tuple[WorkerHandle, str]]:
+    def silent_or_exited(self, heartbeat_timeout: float,
+                         exit_code: Callable[[int], int | None]) -> list[tuple[WorkerHandle, str]]:
+        """Live workers to declare dead, and why; exit_code(pid): a local worker's, None while it runs."""
         now = time.monotonic()
         out = []
         for w in self.workers.values():
             if not w.alive:
                 continue
-            if w.proc is not None and w.proc.poll() is not None:
-                out.append((w, f"worker {w.worker_id} exited (code {w.proc.poll()})"))
+            code = exit_code(w.info.pid) if w.local else None
+            if code is not None:
+                out.append((w, f"worker {w.worker_id} exited (code {code})"))
             elif now - w.last_seen > heartbeat_timeout:
                 out.append((w, f"worker {w.worker_id} stopped responding"))
         return out

@@ -5,6 +5,7 @@ sends is dispatched by type (disagg/messages.py) to the part that owns its state
   registry.py   the workers: liveness, stats, speed, the prefix index;
   routing.py    which worker of a pool a request goes to; paths.py which path it takes;
   dispatch.py   each request's flow along its path (flight.py: its state);
+  fleet.py      the worker processes it started (through a launcher, launcher.py);
   planning.py   the SLO planner moving workers between pools.
 A worker that stops heart-beating, or whose process exits, is dropped: its requests that have not
 streamed a token are routed again, the others fail with a clear error, and serving goes on with
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +28,11 @@ import zmq.asyncio
 from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
 from tandem.disagg.dispatch import Dispatcher
+from tandem.disagg.fleet import WorkerFleet
 from tandem.disagg.flight import Flight, WorkerLost
+from tandem.disagg.launcher import Launcher
 from tandem.disagg.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
-from tandem.disagg.metrics import DisaggMetrics
+from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
 from tandem.disagg.planner import PlannerSettings
 from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.registry import WorkerHandle, WorkerRegistry
@@ -41,10 +43,9 @@ from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
+from tandem.engine.worker_view import host_name, worker_entry
 from tandem.logs import startup
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
-from tandem.engine.worker_view import host_name, worker_entry
-from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by
 
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
-                 launch: Any = None,  # callable(router_address) -> list[Popen] for local workers
+                 launch: Launcher | None = None,  # the workers this router starts (None: all remote)
                  routing: RoutingSettings | None = None, planner: PlannerSettings | None = None) -> None:
         super().__init__(tokenizer)
         self.config = config
@@ -65,10 +66,10 @@ class DisaggEngine(EngineClient):
         self.router = Router(routing, self.registry.index, self._active_blocks)
         self.dispatch = Dispatcher(settings, self.registry, self.router, routing.slo, routing.paths, self._send,
                                    self._deliver_outputs, self.counters)
-        self.planning = PlannerLoop(self, planner) if planner is not None and planner.enabled else None
-        self.launch = launch
+        self.fleet = WorkerFleet(launch)
+        self.planning = (PlannerLoop(planner, self.registry, self.fleet, self._send)
+                         if planner is not None and planner.enabled else None)
         self.address = ""
-        self._procs: list[subprocess.Popen] = []
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -77,8 +78,7 @@ class DisaggEngine(EngineClient):
         self._channel = wire.Channel(settings.secret)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self.restarter = Restarter(getattr(launch, "start", None), settings.restart_backoff_s,
-                                   settings.max_restart_backoff_s)
+        self.restarter = Restarter(self.fleet.start, settings.restart_backoff_s, settings.max_restart_backoff_s)
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
         self._handlers: dict[type, Callable[[WorkerHandle, Any], Any]] = {
             StepOutputs: self._on_outputs,
@@ -106,10 +106,11 @@ class DisaggEngine(EngineClient):
             self._sock.bind(bind)
             self.address = bind
         startup.info("router listening on %s for workers", self.address)
-        if self.launch is not None:
-            self._procs = list(self.launch(self.address))
-            startup.info("started %d local workers; waiting for them to join", len(self._procs))
+        if self.fleet.launches:
+            started = self.fleet.start_all(self.address)
+            startup.info("started %d local workers; waiting for them to join", started)
         else:
+            self.fleet.address = self.address
             startup.info("waiting for a worker to join (tandem worker --router %s)", self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         if self.planning is not None:
@@ -117,16 +118,15 @@ class DisaggEngine(EngineClient):
         try:
             await self._wait_for_workers()
         except BaseException:
-            for p in self._procs:  # leave no orphan behind a failed start
-                p.kill()
+            self.fleet.kill_all()  # leave no orphan behind a failed start
             raise
 
     async def _wait_for_workers(self) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout
         # At least one: the API needs a worker's model limits before it can validate anything.
         while len(self.registry.live()) < max(self.settings.expected_workers, 1):
-            if any(p.poll() is not None for p in self._procs):
-                codes = [p.poll() for p in self._procs]
+            codes = self.fleet.start_up_exits()
+            if codes is not None:
                 raise RuntimeError(f"a worker exited during start-up (exit codes {codes})")
             if time.monotonic() > deadline:
                 raise RuntimeError("workers did not register in time")
@@ -140,21 +140,21 @@ class DisaggEngine(EngineClient):
             await self._send(w, Shutdown())
         for task in self._tasks:
             task.cancel()
-        loop = asyncio.get_running_loop()
-        for p in self._procs:
-            try:
-                await loop.run_in_executor(None, p.wait, 10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await self.fleet.wait_all(10)
         if self.store is not None:
             self.store.close()
         secure.release(self._sock)
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def attach_metrics(self, metrics: ServerMetrics) -> None:
+    def attach_metrics(self, metrics: MetricsSink) -> None:
         exporter = DisaggMetrics(metrics.registry, metrics.model_name)
-        metrics.collectors.append(lambda: exporter.collect(self))
+        metrics.collectors.append(lambda: exporter.collect(self._snapshot()))
+
+    def _snapshot(self) -> ClusterSnapshot:
+        p = self.planning
+        return ClusterSnapshot(self.workers.values(), self.counters, self.restarter.count,
+                               p.flips if p is not None else None, p.planner.last_forecast_tok_s if p else 0.0)
 
     @property
     def healthy(self) -> bool:
@@ -248,7 +248,7 @@ class DisaggEngine(EngineClient):
 
     def _register(self, ident: bytes, msg: Register) -> None:
         info = msg.info
-        worker = self.registry.join(ident, info, self._procs)
+        worker = self.registry.join(ident, info, local=self.fleet.owns(info.pid))
         if worker is None:
             return
         if self.info is None:
@@ -356,7 +356,7 @@ class DisaggEngine(EngineClient):
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            for worker, reason in self.registry.silent_or_exited(self.settings.heartbeat_timeout):
+            for worker, reason in self.registry.silent_or_exited(self.settings.heartbeat_timeout, self.fleet.exit_code):
                 await self._on_worker_death(worker, reason)
 
     async def _on_worker_death(self, worker: WorkerHandle, reason: str) -> None:
@@ -381,7 +381,7 @@ class DisaggEngine(EngineClient):
         for other in self.registry.live():
             if worker.info.kv_endpoint is not None:
                 await self._send(other, Forget(worker.info.kv_endpoint.address))
-        restarting = self.restarter.schedule(worker, self.address, self._procs)
+        restarting = self.restarter.schedule(worker)
         if not self.registry.live():
             if not restarting:
                 self.dead = f"no live workers ({reason})"
