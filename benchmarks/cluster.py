@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from kv_store import fmt, pct, ratio, settled_scrape
+from kv_store_common import fmt, pct, ratio, settled_scrape
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
