@@ -33,10 +33,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tandem.config import EngineConfig
     from tandem.logs import startup
-    from tandem.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
+    from tandem.model_path import DEFAULT_MODEL_NAME
     from tandem.serve.api import ServerSettings, build_app
     from tandem.serve.startup import AnnouncingServer, check_memory, check_port
     from tandem.slo import Slo
+    from tandem.tokenizer import load_tokenizer
 
     check_port(args.host, args.port)  # before a minute of loading, not after
     # The KV pools this host will hold: its local workers', or the one core's (a bare router holds none).

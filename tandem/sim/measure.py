@@ -215,8 +215,8 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
         core.close()
     del core, loaded
     if serve_argv is not None:
-        from tandem.model.loader import load_tokenizer
         from tandem.sim.calibrate import calibrate, fit_serving
+        from tandem.tokenizer import load_tokenizer
 
         points = calibrate(cost, serve_argv, load_tokenizer(config.model.model), log_dir / "profile-serve.log",
                            progress, grid.serve_batches, grid.serve_prompts)
