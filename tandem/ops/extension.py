@@ -1,6 +1,6 @@
 """Builds and loads Tandem's compiled CPU ops: one torch extension, registered as ``torch.ops.tandem``.
 
-The sources (``*.cpp`` and ``simd.h`` next to this file) compile once per machine with
+The sources (``*.cpp`` and the ``*.h`` they include, next to this file) compile once per machine with
 ``torch.utils.cpp_extension`` into a cache directory keyed by everything that changes the binary.
 ``scripts/setup.sh`` builds it ahead of time (``tandem.ops.extension.main``), so nothing compiles on a
 request's path.
@@ -40,7 +40,8 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "paged_prefill_brgemm.cpp",
             _HERE / "fused.cpp", _HERE / "kv_write.cpp", _HERE / "linear.cpp",
             _HERE / "quant_linear.cpp", _HERE / "quant_linear_q8.cpp"]
-_HEADERS = [_HERE / "simd.h", _HERE / "attention_blocks.h", _HERE / "paged_prefill.h", _HERE / "gguf_blocks.h"]
+# Every header next to the sources: the build directory's key covers whatever they include.
+_HEADERS = sorted(_HERE.glob("*.h"))
 # -ffp-contract=off: no implicit FMA, so a kernel rounds exactly where its PyTorch fallback does.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-ffp-contract=off",
            *os.environ.get("TANDEM_KERNEL_CFLAGS", "").split()]

@@ -30,7 +30,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "attention_blocks.h"
+#include "decode_blocks.h"
 
 #include <algorithm>
 #include <atomic>

@@ -17,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "attention_blocks.h"
+#include "attention_common.h"
 #include "paged_prefill.h"
 
 #include <algorithm>

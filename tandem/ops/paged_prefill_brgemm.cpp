@@ -5,7 +5,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
-#include "attention_blocks.h"
+#include "attention_common.h"
 #include "paged_prefill.h"
 
 #include <algorithm>

@@ -1,177 +1,24 @@
-// Building blocks of Tandem's paged attention kernels (decode and prefill): per-block q.k scores,
-// the online-softmax update, the weighted sum of V, software prefetch, and per-thread scratch.
-// See paged_attention.cpp for the design; everything here is inlined into the kernels' loops.
+// The steps of Tandem's paged decode kernel (paged_attention.cpp; see it for the design), each over
+// the rows of one KV block and in a vector and a portable version: the scaled q.k scores, the
+// online-softmax update, the weighted sum of V (float, or bf16 token pairs with dpbf16), and the
+// per-thread scratch they work in. Everything here is inlined into the kernel's loops.
 #pragma once
 
-#include <ATen/ATen.h>
-
-#include "simd.h"
+#include "decode_rows.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
-
-#ifndef TANDEM_CHUNK_TOKENS
-#define TANDEM_CHUNK_TOKENS 256
-#endif
-#ifndef TANDEM_PF_LOCALITY
-#define TANDEM_PF_LOCALITY 2
-#endif
-#ifndef TANDEM_PREFETCH_AHEAD
-#define TANDEM_PREFETCH_AHEAD 2
-#endif
-
 
 namespace tandem_ops {
 namespace {
 
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Query heads whose accumulators are held in registers at once (the group is walked in chunks).
-constexpr int kHeadChunk = 4;
-// Tokens per softmax chunk (rounded down to whole blocks).
-constexpr int64_t kChunkTokens = TANDEM_CHUNK_TOKENS;
-// How many block-steps (one block's K or V rows) the prefetch cursor runs ahead.
-constexpr int64_t kPrefetchAhead = TANDEM_PREFETCH_AHEAD;
-
-// p.V on bf16 pairs of tokens (dpbf16) is used for bf16 caches when the ISA has it.
-template <typename T>
-constexpr bool kPairV =
-#if defined(TANDEM_DPBF16)
-    std::is_same_v<T, bf16>;
-#else
-    false;
-#endif
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// int8 KV rows (tandem/kv/layout.py): d int8 values, then the row's float32 scale.
-template <typename KV>
-constexpr bool kInt8Rows = std::is_same_v<KV, int8_t>;
-constexpr int64_t kScaleBytes = 4;
-
-// Elements from one kv head's row of a token to the next head's: d, plus the scale for int8 rows.
-template <typename KV>
-constexpr int64_t head_stride(int64_t d) {
-  return kInt8Rows<KV> ? d + kScaleBytes : d;
-}
-
-// The scale of an int8 row (1 for rows held as values).
-template <typename KV>
-TANDEM_INLINE float row_scale([[maybe_unused]] const KV* row, [[maybe_unused]] int64_t d) {
-  if constexpr (kInt8Rows<KV>) {
-    float s;
-    std::memcpy(&s, row + d, sizeof(s));
-    return s;
-  }
-  return 1.0f;
-}
-
-// =============================================================================================
-// AVX512 building blocks
-// =============================================================================================
-#if defined(__AVX512F__)
-
-// Lane t of the result is the horizontal sum of v[t]: a transpose-and-add tree, ~3 instructions
-// per input vector instead of ~8 for separate reductions.
-inline __m512 hsum16(const __m512 (&v)[16]) {
-  __m512 a[8];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0:0+2, v1:0+2, v0:1+3, v1:1+3]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  __m512 b[4];
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum for 4 consecutive vectors
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 c[2];
-  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes 2,3 onto 0,1
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Unreduced q.k: a vector whose lanes sum to the dot product.
-template <typename T>
-TANDEM_INLINE __m512 dot_lanes(const float* q, const T* k, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
-  return acc;
-}
-
-#if defined(TANDEM_DPBF16)
-TANDEM_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
-  // dpbf16 multiplies bf16 pairs and accumulates in float: 32 products per instruction.
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= d; i += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
-  if (i < d)  // d is a multiple of 16: one half-width tail with zeroed upper lanes
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, q + i),
-                           (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, k + i));
-  return acc;
-}
-#endif
-
-#endif  // __AVX512F__
-
-// The query operand is kept as float, except on the AVX512-BF16 path where the bf16 query feeds
-// dpbf16 directly.
-template <typename T>
-struct QueryType {
-  using type = float;
-};
-#if defined(TANDEM_DPBF16)
-template <>
-struct QueryType<bf16> {
-  using type = bf16;
-};
-#endif
-
 // =============================================================================================
 // Per-block steps (each has a vector and a portable version)
 // =============================================================================================
-
-// Software prefetch of one region (rows of a block) spread over the computation: the kernel hands
-// it the region needed a few steps ahead and calls issue() between pieces of work, so each call
-// requests a few cache lines. A burst of prefetches would fill the miss buffers and stall the very
-// computation it should overlap. Prefetches go to L2 (T1), which measured best.
-struct Prefetcher {
-  const char* base = nullptr;
-  int64_t stride = 0, width = 0, rows = 0, row = 0, col = 0, quota = 0;
-
-  // Region: `rows` rows of `width` bytes, `stride` bytes apart, spread over ~`calls` issue() calls.
-  TANDEM_INLINE void set(const void* b, int64_t n_rows, int64_t stride_bytes, int64_t width_bytes, int64_t calls) {
-    flush();
-    base = static_cast<const char*>(b);
-    rows = n_rows;
-    row = col = 0;
-    if (width_bytes == stride_bytes) {  // contiguous rows: one range
-      width = width_bytes * n_rows;
-      rows = n_rows > 0 ? 1 : 0;
-    } else {
-      width = width_bytes;
-    }
-    stride = stride_bytes;
-    const int64_t lines = rows * ((width + 63) / 64);
-    quota = std::max<int64_t>(1, (lines + calls - 1) / std::max<int64_t>(1, calls));
-  }
-  TANDEM_INLINE void issue() { issue_n(quota); }
-  TANDEM_INLINE void flush() { issue_n(std::numeric_limits<int64_t>::max()); }
-  TANDEM_INLINE void issue_n(int64_t lines) {
-    for (; lines > 0 && row < rows; --lines) {
-      __builtin_prefetch(base + row * stride + col, 0, TANDEM_PF_LOCALITY);
-      col += 64;
-      if (col >= width) {
-        col = 0;
-        ++row;
-      }
-    }
-  }
-};
 
 // scores[g][t] = scale * q_g . k_t for the n (<= block size) rows of one kv head in a block.
 template <typename T, typename QT>
@@ -411,86 +258,6 @@ struct Scratch {
 
 // Blocks per chunk: the softmax max/sum bookkeeping runs once per chunk rather than per block.
 inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
-
-
-// q as the kernels read it: token rows may be any distance apart (a view of a fused qkv
-// projection is used in place), but each row's heads must be packed; anything else is copied.
-inline at::Tensor packed_rows(const at::Tensor& q) {
-  return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
-}
-
-// The checks the decode and prefill ops share: q [T, H, D], the K/V pool, int32 block tables of
-// one row per sequence, and the output buffer the kernels write rows of ([T, H, D] like q, contiguous).
-inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_tables, int64_t n_seqs, const at::Tensor& out,
-                                   const char* op, bool int8_rows_ok = false) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
-              ": CPU tensors expected");
-  TORCH_CHECK(q.dim() == 3, op, ": q must be [tokens, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
-              ": k_cache/v_cache must both be [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache/v_cache must be contiguous");
-  const bool int8_rows = int8_rows_ok && k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((int8_rows || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
-              op, ": k_cache and v_cache must share q's dtype", int8_rows_ok ? " (or be int8 rows)" : "");
-  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == (int8_rows ? D + kScaleBytes : D) && D % 16 == 0 && D > 0, op,
-              ": head_dim must match and be a multiple of 16 (int8 rows: head_dim + 4 bytes)");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, op, ": num heads must be a multiple of num kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == n_seqs,
-              op, ": block_tables must be int32 [num sequences, max_blocks]");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() &&
-                  out.device() == q.device(),
-              op, ": out must be a contiguous tensor of q's shape and dtype");
-}
-
-// Fills the fields that the decode and prefill kernels' parameter structs share (same names).
-// The first key a query at position len - 1 sees: its last `window` keys (0: all of them).
-TANDEM_INLINE int64_t window_start(int64_t len, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
-}
-
-#if defined(__AVX512F__)
-// soft_cap_scores for 16 scores: tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|), which
-// never overflows.
-TANDEM_INLINE __m512 soft_cap16(__m512 x, float cap) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
-  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.0f)));
-  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));
-}
-#endif
-
-// Gemma-style logit soft-capping of already-scaled scores: cap * tanh(s / cap) (cap > 0).
-TANDEM_INLINE void soft_cap_scores(float* s, int64_t n, float cap) {
-  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
-}
-
-template <typename Params>
-void fill_common_params(Params& P, const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        double scale, int64_t window, double softcap) {
-  TORCH_CHECK(window >= 0, "attention: window must be >= 0 (0: none)");
-  TORCH_CHECK(softcap >= 0.0, "attention: softcap must be >= 0 (0: none)");
-  P.window = window;
-  P.softcap = static_cast<float>(softcap);
-  P.q = q.data_ptr();
-  P.q_stride = q.stride(0);
-  P.k = k_cache.data_ptr();
-  P.v = v_cache.data_ptr();
-  P.out = out.data_ptr();
-  P.block_tables = block_tables.data_ptr<int32_t>();
-  P.seq_lens = seq_lens.data_ptr<int32_t>();
-  P.max_blocks = block_tables.size(1);
-  P.bs = k_cache.size(1);
-  P.kvh = k_cache.size(2);
-  P.heads = q.size(1);
-  P.group = q.size(1) / k_cache.size(2);
-  P.d = q.size(2);
-  P.scale = static_cast<float>(scale);
-}
 
 }  // namespace
 }  // namespace tandem_ops
