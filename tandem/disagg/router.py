@@ -106,11 +106,10 @@ class DisaggEngine(EngineClient):
             self._sock.bind(bind)
             self.address = bind
         startup.info("router listening on %s for workers", self.address)
+        started = self.fleet.start_all(self.address)
         if self.fleet.launches:
-            started = self.fleet.start_all(self.address)
             startup.info("started %d local workers; waiting for them to join", started)
         else:
-            self.fleet.address = self.address
             startup.info("waiting for a worker to join (tandem worker --router %s)", self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         if self.planning is not None:
