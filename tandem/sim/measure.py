@@ -91,7 +91,8 @@ def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Cal
 def measure_transfer(kind: str, core: EngineCore, num_blocks: tuple[int, ...], repeats: int = 3) -> TransferFit:
     """Time the real transport: a decode-side receiver and pool, a sender writing every layer's
     slice of n blocks, then waiting for the fence."""
-    from tandem.disagg.transport import RoutingSender, TransferHandle, make_receiver
+    from tandem.disagg.transport import TransferHandle
+    from tandem.disagg.transports.factory import RoutingSender, make_receiver
 
     secret = os.urandom(32)
     arch = core.runner.model.cfg
