@@ -11,7 +11,8 @@ from tandem.config import CacheConfig, SchedulerConfig
 from tandem.disagg.connector import KVRecvConnector
 from tandem.engine.kv_connector import MultiConnector
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.step import SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel, StepShape
 from tandem.sim.store import SimStoreConnector

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request
-from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.step import ScheduledRequest
 
 GIB = 1 << 30
 
