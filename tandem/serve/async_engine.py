@@ -37,10 +37,10 @@ from tandem.engine.messages import (
 )
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
+from tandem.engine.worker_view import host_name, process_cores, worker_entry
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
-from tandem.engine.worker_view import host_name, process_cores, worker_entry
 from tandem.serve.core_proc import run_engine_core
 from tandem.serve.metrics import ServerMetrics
 

@@ -8,8 +8,6 @@ and the router answer with one schema (SCHEMA_VERSION; README "Dashboard" docume
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from typing import Any
 

@@ -1,0 +1,86 @@
+"""Who is asking and whether they get in: a request's Call (tenant, weight, priority, deadline, cache
+salt) and admission against the engine's load (the rules are admission.py's)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tandem.sampling_params import SamplingParams
+from tandem.serve.admission import AdmissionSettings, check_admission
+from tandem.serve.app_state import Started
+from tandem.serve.async_engine import EngineClient
+from tandem.serve.errors import APIError
+from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.settings import ServerSettings
+
+
+def key_salts(api_keys: list[str]) -> dict[str, str]:
+    """Each API key's salt: the tenant (and cache salt) it stands for; the key itself stays with the middleware."""
+    return {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in api_keys}
+
+
+@dataclass
+class Call:
+    """Who is asking and how: the scheduler's tenant and priority, the deadline, the cache salt."""
+
+    tenant: str | None
+    weight: float
+    priority: int
+    timeout: float | None
+    salt: str | None
+
+
+@dataclass(frozen=True)
+class Callers:
+    """How a request becomes a Call: its tenant (API key or tenant header), weight and deadline."""
+
+    tenant_header: str | None
+    request_timeout: float | None
+    weights: dict[str, float]  # tenant (a key's salt or a header value) -> share
+
+    @classmethod
+    def build(cls, settings: ServerSettings, salts: dict[str, str]) -> Callers:
+        # Weights are given by key or header value; a key's tenant is its salt.
+        weights = {salts.get(name, name): w for name, w in settings.tenant_weights.items()}
+        return cls(settings.tenant_header, settings.request_timeout, weights)
+
+    def call_for(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Call:
+        tenant = getattr(request.state, "salt", None)
+        if self.tenant_header:
+            tenant = request.headers.get(self.tenant_header, tenant)
+        timeout = self.request_timeout
+        if body.timeout is not None:
+            timeout = body.timeout if timeout is None else min(timeout, body.timeout)
+        return Call(tenant, self.weights.get(tenant, 1.0) if tenant is not None else 1.0, body.priority, timeout,
+                    salt_for(request, body.cache_salt))
+
+
+def salt_for(request: Request, cache_salt: str | None) -> str | None:
+    tenant = getattr(request.state, "salt", None)
+    if tenant is None:
+        return cache_salt
+    return f"{tenant}:{cache_salt or ''}"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Admit a call or refuse it: 503 while the engine is down, 429 (with Retry-After) when it is full."""
+
+    engine: EngineClient
+    rules: AdmissionSettings
+    started: Started  # the metrics count the refusals
+
+    def admit(self, call: Call, num_prompts: int, params: SamplingParams, prompt_tokens: int = 0) -> None:
+        engine = self.engine
+        if not engine.healthy:
+            raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
+        rejection = check_admission(self.rules, engine.capacity(), engine.load(call.tenant), num_prompts,
+                                    num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout)
+        if rejection is not None:
+            live = self.started.live
+            live.metrics.rejected.labels(live.model).inc(num_prompts)
+            raise APIError(429, rejection.message, "RateLimitError",
+                           headers={"Retry-After": str(rejection.retry_after_s)})

@@ -1,0 +1,124 @@
+"""The OpenAI routes (/v1/models, /v1/completions, /v1/chat/completions): one APIRouter over the
+state they may reach. Each request is prepared (prepare.py), admitted (calls.py), then collected
+or streamed (responses.py)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.serve.app_state import Started, TextSide
+from tandem.serve.async_engine import EngineClient
+from tandem.serve.calls import Admission, Callers
+from tandem.serve.errors import bad_request
+from tandem.serve.openai_format import Formatter, usage
+from tandem.serve.prepare import (
+    GrammarCheck,
+    chat_ids,
+    check_model,
+    make_params,
+    need_text,
+    tokenize,
+    tool_plan,
+    validate,
+)
+from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.responses import collect, open_streams, sse
+
+
+@dataclass(frozen=True)
+class OpenAIState:
+    engine: EngineClient
+    started: Started  # the served name and the metrics
+    text: TextSide
+    callers: Callers  # a request's tenant, weight and deadline
+    admission: Admission
+    grammars: GrammarCheck  # structured outputs, checked before they are queued
+
+
+def openai_router(s: OpenAIState) -> APIRouter:
+    router = APIRouter()
+    engine, text = s.engine, s.text
+    admit = s.admission.admit
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        assert engine.info is not None
+        return {"object": "list", "data": [{"id": s.started.live.model, "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": engine.info.max_model_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        live = s.started.live
+        check_model(body.model, live)
+        params = make_params(body, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens are scored too (log-likelihoods)
+            params.prompt_logprobs = body.logprobs
+        await s.grammars.check(params)
+        call = s.callers.call_for(request, body)
+        admit(call, len(body.prompts()), params)  # before any tokenizing: a refusal costs next to nothing
+        texts = [p if isinstance(p, str) else None for p in body.prompts()]
+        if any(texts):
+            need_text(text).check_chars([t for t in texts if t], "prompt")  # the batch's, before any is tokenized
+        prompts = [await tokenize(text, p) for p in body.prompts()]
+        for ids in prompts:
+            validate(engine, ids, params, "prompt")
+        admit(call, len(prompts), params, sum(len(p) for p in prompts))
+        fmt = Formatter(text.tokenizer, live.model, f"cmpl-{uuid.uuid4().hex}", chat=False)
+        worker = text.worker
+        echo = [t if t is not None else (await worker.decode(ids) if worker else "")
+                for t, ids in zip(texts, prompts, strict=True)] if body.echo else None
+        streams = open_streams(engine, live.metrics, prompts, params, texts, call)
+        n_prompt = sum(len(p) for p in prompts)
+        num_top = body.logprobs or 0
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(streams, fmt, params, n_prompt, include, echo, num_top, call.timeout),
+                                     media_type="text/event-stream")
+        finals = await collect(request, streams, call.timeout)
+        choices = []
+        for i, final in enumerate(finals):
+            for out in final.outputs:
+                shown = (echo[i] if echo else "") + out.text
+                echoed = (final.prompt_token_ids, final.prompt_logprobs) if echo and final.prompt_logprobs else None
+                choices.append(fmt.choice(i * params.n + out.index, out, shown, num_top, echoed))
+        n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        live = s.started.live
+        check_model(body.model, live)
+        if text.worker is None:
+            raise bad_request("this model has no tokenizer, so it has no chat template")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = make_params(body, max_tokens, body.logprobs_count())
+        tools = tool_plan(text, body, params)
+        await s.grammars.check(params, "tools" if tools is not None and tools.grammar else "response_format")
+        call = s.callers.call_for(request, body)
+        admit(call, 1, params)
+        ids = await chat_ids(text, text.worker, [m.as_template_dict() for m in body.messages],
+                             tools.prompt_tools if tools else None, body.add_generation_prompt, body.chat_template)
+        if params.max_tokens is None:
+            assert engine.info is not None
+            params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
+        validate(engine, ids, params, "messages")
+        admit(call, 1, params, len(ids))
+        fmt = Formatter(text.tokenizer, live.model, f"chatcmpl-{uuid.uuid4().hex}", chat=True,
+                        tools=text.tool_format if tools is not None and tools.parse else None)
+        streams = open_streams(engine, live.metrics, [ids], params, [None], call)
+        num_top = body.top_logprobs or 0
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(streams, fmt, params, len(ids), include, None, num_top, call.timeout),
+                                     media_type="text/event-stream")
+        final = (await collect(request, streams, call.timeout))[0]
+        choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
+        n_out = sum(len(o.token_ids) for o in final.outputs)
+        return JSONResponse(fmt.response(choices, usage(len(ids), n_out)))
+
+    return router

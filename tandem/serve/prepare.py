@@ -1,0 +1,95 @@
+"""A request made ready for the engine, or refused with a 4xx: the model name, the prompt's tokens,
+its SamplingParams, the structured-output constraint and the tool plan, each checked before it is queued."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tandem.engine.structured import Grammars
+from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
+from tandem.serve.app_state import Live, TextSide
+from tandem.serve.async_engine import EngineClient
+from tandem.serve.errors import APIError, bad_request
+from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.text_worker import TextWorker
+from tandem.serve.tool_calls.formats import template_knows_tools
+from tandem.serve.tool_calls.plan import ToolPlan, plan_tools
+from tandem.serve.tool_calls.prompt import template_inputs
+
+
+def check_model(name: str | None, live: Live) -> None:
+    if name is not None and name not in (live.model, live.model_path):
+        raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+
+def need_text(text: TextSide) -> TextWorker:
+    if text.worker is None:
+        raise bad_request("this model has no tokenizer: send token ids", "prompt")
+    return text.worker
+
+
+async def tokenize(text: TextSide, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        return await need_text(text).encode(prompt)
+    return list(prompt)
+
+
+async def chat_ids(text: TextSide, worker: TextWorker, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None, add_generation_prompt: bool, template: str | None) -> list[int]:
+    native = template_knows_tools(template or text.template)
+    msgs, native_tools = template_inputs(messages, tools, text.tool_format, native)
+    return await worker.chat_ids(msgs, add_generation_prompt, template, native_tools)
+
+
+def validate(engine: EngineClient, ids: list[int], params: SamplingParams, param: str) -> None:
+    assert engine.inputs is not None
+    try:
+        engine.inputs.validate(ids, params)
+    except ValueError as e:  # a ParamError names its field; the others are about the prompt
+        raise bad_request(str(e), getattr(e, "param", None) or param) from e
+
+
+def make_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                logprobs: int | None) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise bad_request(str(e), getattr(e, "param", None)) from e
+
+
+class GrammarCheck:
+    """A grammar that cannot be compiled is the client's error (400), found before it is queued.
+    The compiler is built on first use (it needs the engine's vocabulary size)."""
+
+    def __init__(self, tokenizer: Any | None, engine: EngineClient) -> None:
+        self.tokenizer, self.engine = tokenizer, engine
+        self._grammars: Grammars | None = None
+
+    async def check(self, params: SamplingParams, param: str = "response_format") -> None:
+        if params.structured is None:
+            return
+        if self.tokenizer is None:
+            raise bad_request("structured outputs need the model's tokenizer", param)
+        if self._grammars is None:
+            assert self.engine.info is not None
+            self._grammars = Grammars(self.tokenizer, self.engine.info.vocab_size)
+        error = await asyncio.to_thread(self._grammars.check, params.structured)
+        if error:
+            raise bad_request(f"invalid {params.structured.kind} constraint: {error.strip()}", param)
+
+
+def tool_plan(text: TextSide, body: ChatCompletionRequest, params: SamplingParams) -> ToolPlan | None:
+    """The request's tools; a forced call (required, a named function) becomes its grammar."""
+    try:
+        plan = plan_tools(text.tool_format, body.function_defs(), body.tool_choice_value(), body.parallel_tool_calls)
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from e
+    if plan is not None and plan.grammar is not None:
+        if params.structured is not None:
+            raise bad_request("tool_choice required or a named function cannot be combined with another "
+                              "output constraint", "tool_choice")
+        params.structured = StructuredOutputs("grammar", plan.grammar)
+    return plan
