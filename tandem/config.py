@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from tandem.flags import json_object
 
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
 #   auto     gguf, except where the dense path of the model's dtype is faster: bfloat16 on a CPU that
@@ -114,17 +115,6 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Speculative decoding reserves room for this many extra tokens per running request per step.
     num_lookahead_tokens: int = 0
-
-
-def json_object(text: str, what: str) -> dict:
-    """text as a JSON object, or a ValueError naming `what` (a flag, a setting)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object")
-    return value
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix")

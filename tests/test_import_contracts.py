@@ -51,9 +51,11 @@ def test_a_cycle_between_two_files_is_refused(tmp_path: Path) -> None:
     assert "No cycles are allowed in tandem.engine" in result.stdout and "cycle_" in result.stdout
 
 
-def test_the_benchmark_client_may_not_load_the_model(tmp_path: Path) -> None:
+def test_the_benchmark_client_may_not_load_the_model_or_torch(tmp_path: Path) -> None:
     root = copy_tree(tmp_path)
     (root / "tandem/bench/loads_model.py").write_text("from tandem.model import loader\n")
+    (root / "tandem/bench/loads_torch.py").write_text("import torch\n")
     result = lint(root)
     assert result.returncode != 0
     assert "tandem.bench.loads_model -> tandem.model" in result.stdout
+    assert "tandem.bench.loads_torch -> torch" in result.stdout

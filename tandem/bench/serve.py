@@ -27,7 +27,7 @@ from tandem.bench.report import (
 )
 from tandem.bench.runner import RunConfig, RunResult, run
 from tandem.bench.workloads import Session, TextMaker, Tokenizer, WorkloadConfig, generate
-from tandem.config import json_object
+from tandem.flags import json_object
 from tandem.tokenizer import load_tokenizer
 
 # Warm-up prompts come from another seed so they do not seed the prefix cache with the measured prompts.
