@@ -180,6 +180,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.runner.forget(sched.freed_request_ids)
         t1 = time.perf_counter()
         if sched.is_empty:
             if self.connector.busy():  # KV on its way in: wait for it rather than spin

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.block_table import BlockTables
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
@@ -78,6 +79,11 @@ class ModelRunner:
         self.connector = connector or KVConnector()
         self.connector.register_kv_caches(self.kv_caches)
         self.structured: StructuredState | None = None  # set by the engine core when it has a tokenizer
+        self.block_tables = BlockTables(config.scheduler.max_num_seqs)  # grows with the longest table
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what the runner keeps for requests whose blocks were freed (their block-table rows)."""
+        self.block_tables.release(request_ids)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -86,8 +92,7 @@ class ModelRunner:
         num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
         q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
         context_lens = np.fromiter((s.request.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
-        max_blocks = max(len(s.block_ids) for s in items)
-        block_tables = np.zeros((len(items), max_blocks), dtype=np.int32)
+        block_tables = self.block_tables.gather(items)
         input_ids: list[int] = []
         sampling: list[Request] = []
         drafts: list[list[int]] = []
@@ -95,9 +100,8 @@ class ModelRunner:
         prompt_rows: list[int] = []  # rows scoring the next prompt token (prompt_logprobs)
         prompt_scored: list[tuple[Request, int]] = []
         offset = 0
-        for row, s in enumerate(items):
+        for s in items:
             r, start = s.request, s.request.num_computed_tokens
-            block_tables[row, :len(s.block_ids)] = s.block_ids
             tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
             input_ids.extend(tokens[start:start + s.num_new_tokens])
             if r.wants_prompt_logprobs:  # position p's logits score prompt token p + 1

@@ -195,9 +195,10 @@ class Scheduler:
         for request in self.running:
             n = step.scheduled.get(request.request_id)
             if n:
-                step.out.scheduled.append(ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id)))
+                step.out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
         if step.out.scheduled:
             step.out.connector_meta = self.connector.build_step(step.out.scheduled)
+        step.out.freed_request_ids = self.kv.take_freed()
         return step.out
 
     def _schedule_prompts(self, step: _Step) -> None:

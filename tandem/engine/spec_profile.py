@@ -39,5 +39,6 @@ def profile_step_cost(runner: ModelRunner, counts: list[int], repeats: int = 2) 
             runner.execute(SchedulerOutput([item]))
             best = min(best, time.perf_counter() - t0)
         seconds.append(best)
+    runner.forget(["spec-profile"])
     # As measured, not smoothed: the kernels' row tiles make 4 tokens cost less than 3 on some CPUs.
     return StepCost(np.asarray(counts, dtype=np.float64), np.asarray(seconds))

@@ -20,7 +20,7 @@ class ConnectorMeta:
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: list[int]  # the KV manager's live list (KVCacheManager.block_ids): read it this step, never keep it
 
 
 @dataclass
@@ -28,6 +28,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
     connector_meta: ConnectorMeta | None = None  # the KV connector's plan for this step (its worker half runs it)
+    # Requests whose blocks were freed since the last step (finished, aborted, preempted): the runner
+    # drops what it kept for them (their block-table rows).
+    freed_request_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:

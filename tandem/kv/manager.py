@@ -63,6 +63,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same blocks' ids, appended as blocks are added: a step reads them without rebuilding.
+        self.req_block_ids: dict[str, list[int]] = {}
+        # Requests whose blocks were freed since take_freed(): the runner drops their block-table rows.
+        self._freed: list[str] = []
         # How many of a request's blocks are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -104,8 +108,19 @@ class KVCacheManager:
         """Make room for num_new_tokens (plus lookahead) after the computed ones; None if the pool
         cannot, in which case nothing changes. With defer_caching the new blocks stay private until
         cache_blocks() (their KV is written by someone else, later: a disaggregated prefill)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:  # a running request: the common case, kept short
+            num_computed = request.num_computed_tokens
+            end = num_computed + num_new_tokens
+            if cdiv(end + num_lookahead_tokens, self.block_size) <= len(blocks):  # no new block needed
+                if self.enable_caching and not defer_caching and \
+                        end // self.block_size > self._num_cached_blocks.get(request.request_id, 0):
+                    self._cache_full_blocks(request, blocks, end)
+                return []
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if blocks is None:
+            blocks = self.req_blocks[request.request_id] = []
+            self.req_block_ids[request.request_id] = []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
@@ -113,12 +128,14 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             if not blocks:
-                del self.req_blocks[request.request_id]
+                del self.req_blocks[request.request_id], self.req_block_ids[request.request_id]
             return None
         self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
+        ids = self.req_block_ids[request.request_id]
+        for added in (new_computed_blocks, new_blocks):
+            blocks.extend(added)
+            ids.extend(b.block_id for b in added)
         if self.enable_caching and not defer_caching:
             # Blocks that will be full once this step's tokens are computed become shareable now:
             # a request scheduled later in the same step reads them after this step writes them.
@@ -152,11 +169,24 @@ class KVCacheManager:
     def free(self, request: KVRequest) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        if self.req_block_ids.pop(request.request_id, None) is not None:
+            self._freed.append(request.request_id)
         # Tail blocks are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """A copy of the request's block ids, for whoever keeps them (a connector)."""
+        return list(self.req_block_ids.get(request_id, ()))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids, live: appended to as blocks are added, replaced by a new list when
+        the request is freed and allocated again. For reading within one step; never modify it."""
+        return self.req_block_ids.get(request_id, [])
+
+    def take_freed(self) -> list[str]:
+        """The requests whose blocks were freed since the last call."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def usage(self) -> KVCacheUsage:
         free = self.pool.num_free_blocks
