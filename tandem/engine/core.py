@@ -193,7 +193,17 @@ class EngineCore:
         result, errors = self._execute_isolating_failures(sched)
         t2 = time.perf_counter()
         outputs = self._fail(sched, errors) if errors else []
-        drafts = {s.request.request_id: len(s.request.spec_token_ids) for s in sched.scheduled}
+        # What this step computed for each request beyond its own tokens (drafts), and the prompt work in
+        # it: a decode with drafts computes several tokens too, but it is no prompt work.
+        drafts: dict[str, int] = {}
+        prompt_tokens = 0
+        for s in sched.scheduled:
+            own = s.num_new_tokens
+            if s.request.spec_token_ids:
+                drafts[s.request.request_id] = len(s.request.spec_token_ids)
+                own -= len(s.request.spec_token_ids)
+            if own > 1:
+                prompt_tokens += own
         if result.prompt_logprobs:
             for s in sched.scheduled:
                 s.request.prompt_logprobs.update(result.prompt_logprobs.get(s.request.request_id, []))
@@ -209,15 +219,13 @@ class EngineCore:
                 self.structured.advance(r.request_id, new)
                 if r.is_finished:
                     self.structured.drop(r.request_id)
+            lps = result.logprobs.get(r.request_id)
             outputs.append(EngineCoreOutput(
-                r.request_id, new, result.logprobs.get(r.request_id, [])[:len(new)], r.status.finish_reason,
+                r.request_id, new, lps[:len(new)] if lps else [], r.status.finish_reason,
                 r.stop_reason, r.num_cached_tokens, r.num_preemptions, r.scheduled_time, r.first_token_time,
                 r.finish_time, prompt_logprobs=prompt_lps))
         self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
                                    time.perf_counter() - t2, result.timings)
-        # A decode with drafts computes several tokens too, but it is no prompt work.
-        own_tokens = [s.num_new_tokens - drafts[s.request.request_id] for s in sched.scheduled]
-        prompt_tokens = sum(n for n in own_tokens if n > 1)
         step_s = time.perf_counter() - t0
         if logged is not None and self.step_log is not None:
             self.step_log.append(LoggedStep(logged, step_s))
@@ -240,7 +248,7 @@ class EngineCore:
         for s in sched.scheduled:
             rid = s.request.request_id
             if rid in sampled:
-                spec.verified(rid, drafts[rid], sampled[rid])
+                spec.verified(rid, drafts.get(rid, 0), sampled[rid])
             if s.request.is_finished or rid in errors:
                 spec.finish(s.request, s.request.status.completed)
         # A grammar-constrained request gets no drafts: they would be verified without its mask.

@@ -102,6 +102,15 @@ class ModelRunner:
         offset = 0
         for s in items:
             r, start = s.request, s.request.num_computed_tokens
+            if s.num_new_tokens == 1 and not r.spec_token_ids and start + 1 == len(r.all_token_ids):
+                # A stream's next token, the common row: its newest token in, one logits row out (no
+                # prompt position is left to score).
+                input_ids.append(r.all_token_ids[start])
+                offset += 1
+                sampling.append(r)
+                drafts.append([])
+                logits_indices.append(offset - 1)
+                continue
             tokens = r.all_token_ids + r.spec_token_ids if r.spec_token_ids else r.all_token_ids
             input_ids.extend(tokens[start:start + s.num_new_tokens])
             if r.wants_prompt_logprobs:  # position p's logits score prompt token p + 1

@@ -178,14 +178,19 @@ class Scheduler:
         # Running requests past their prompt first, oldest first: one token each (plus drafts), so
         # no prompt, however long, ever stalls a stream. Drafts get only the budget left once every
         # stream has its own token.
-        draft_budget = step.budget - self.num_decoding()
+        draft_budget: int | None = None  # counted on the first request with drafts: most steps have none
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if step.budget <= 0:
                 break
-            num_new = self._num_new(request)
-            if request.status != RequestStatus.RUNNING or num_new <= 0 or self._is_prompt_work(request):
+            # Past its prompt: its newest token (plus drafts) is all that is left to compute.
+            left = request.num_tokens - request.num_computed_tokens
+            num_new = left + len(request.spec_token_ids)
+            if request.status != running or left > 1 or num_new <= 0:
                 continue
             if request.spec_token_ids:
+                if draft_budget is None:
+                    draft_budget = step.budget - self.num_decoding()
                 num_new = self._fit_drafts(request, min(num_new, 1 + max(draft_budget, 0)))
                 draft_budget -= num_new - 1
             num_new = min(num_new, step.budget)
@@ -328,9 +333,10 @@ class Scheduler:
         that got tokens this step with the tokens it kept (a stop can cut a multi-token step short)."""
         changed = []
         now = time.monotonic()
+        finished = RequestStatus.FINISHED_STOPPED  # this and every status after it
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:  # aborted between schedule and update
+            if request.status >= finished:  # aborted between schedule and update
                 continue
             request.num_computed_tokens += item.num_new_tokens
             tokens = sampled.get(request.request_id)
@@ -339,16 +345,17 @@ class Scheduler:
             # Accepted drafts (all but the last token) were computed this step: their KV stays. The
             # rejected ones' slots are overwritten by the tokens computed there next.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens + len(tokens) - 1)
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if request.first_token_time is None:
                 request.first_token_time = now
-            kept = []
-            for token in tokens:
+            kept = tokens
+            for i, token in enumerate(tokens):
                 request.append_output_token(token)
-                kept.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
                     self._finish(request, status)
+                    kept = tokens[:i + 1]
                     break
             changed.append((request, kept))
         return changed
