@@ -65,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(None, dtype="bfloat16", max_num_seqs=max(batches), max_num_batched_tokens=4096,
-              kv_cache_memory=2.0, enable_prefix_caching=False)
+              kv_cache_memory=4.0, enable_prefix_caching=False)  # room for 128 x 1,024 tokens and more
     rows = []
     heads = ("batch", "schedule", "prepare", "update", "host/req", "forward")
     print(f"{heads[0]:>5}", *(f"{h:>10}" for h in heads[1:]), " (us, medians)")
