@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from kv_store_common import fmt, pct, ratio, settled_scrape
+from kv_store_common import finish_run, fmt, pct, ratio, settled_scrape
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -67,7 +67,7 @@ from server_process import (
 
 from tandem.bench.report import load_records, result_paths
 from tandem.bench.workloads import TextMaker, WorkloadConfig, generate
-from tandem.model.loader import load_tokenizer
+from tandem.tokenizer import load_tokenizer
 
 console = Console(stderr=True)
 POLICIES = ("kv", "least-loaded")
@@ -377,21 +377,12 @@ def main() -> int:
     with Progress(*columns, console=console) as progress:
         for part in args.parts:
             results[part] = PARTS[part](args, maker, progress)
-    results["wall_s"] = time.monotonic() - started
-    results["goals"] = goals_of(results)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.plot)
-    out = Console()
-    for table in tables(results):
-        out.print(table)
-    runs = ((f"{n} {p}", r) for n, part in results.get("routing", {}).items() for p, r in part["runs"].items())
-    for name, run in runs:
-        if run.get("log_issues"):
-            out.print(f"[yellow]server log ({name}): {len(run['log_issues'])} warning/error lines[/], first: "
-                      f"{run['log_issues'][0]}")
-    out.print(f"total {results['wall_s'] / 60:.1f} min; results: {args.results}, plot: {args.plot}")
-    return 0
+    return finish_run(args, results, started, goals_of, plot, tables, routing_log_issues)
+
+
+def routing_log_issues(results: dict[str, Any]) -> dict[str, list[str]]:
+    return {f"{n} {p}": r["log_issues"] for n, part in results.get("routing", {}).items()
+            for p, r in part["runs"].items() if r.get("log_issues")}
 
 
 if __name__ == "__main__":

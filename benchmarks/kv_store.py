@@ -32,7 +32,6 @@ benchmarks/results/kv_store/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -40,12 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kv_store_common import BLOCK_SIZE, console, kv_block_bytes
+from kv_store_common import BLOCK_SIZE, console, finish_run, kv_block_bytes
 from kv_store_multiturn import run_multi_turn
 from kv_store_probe import run_probe
 from kv_store_report import goals_of, plot, tables
 from kv_store_trace import run_trace
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from server_process import add_server_args
 
@@ -120,23 +118,16 @@ def main() -> int:
         if "probe" in args.part_names:
             t0 = time.monotonic()
             results["probe"] = run_probe(args, maker, block_bytes, progress) | {"wall_s": time.monotonic() - t0}
-    results["wall_s"] = time.monotonic() - started
-    results["goals"] = goals_of(results)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.plot)
-    out = Console()
-    for table in tables(results):
-        out.print(table)
+    return finish_run(args, results, started, goals_of, plot, tables, log_issues)
+
+
+def log_issues(results: dict[str, Any]) -> dict[str, list[str]]:
     issues = {f"{part} {name}": run.get("log_issues") for part in ("multi_turn", "trace")
               for name, run in results.get(part, {}).get("runs", {}).items() if run.get("log_issues")}
     for key in ("log_issues_tiers", "log_issues_disk"):
         if results.get("probe", {}).get(key):
             issues[f"probe {key[11:]}"] = results["probe"][key]
-    for name, lines in issues.items():
-        out.print(f"[yellow]server log ({name}): {len(lines)} warning/error lines[/], first: {lines[0]}")
-    out.print(f"total {results['wall_s'] / 60:.1f} min; results: {args.results}, plot: {args.plot}")
-    return 0
+    return issues
 
 
 if __name__ == "__main__":

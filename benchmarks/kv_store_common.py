@@ -4,9 +4,13 @@ benchmarks/cluster.py and planner.py use too)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -135,3 +139,23 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def finish_run(args: argparse.Namespace, results: dict[str, Any], started: float,
+               goals_of: Callable[[dict[str, Any]], Any], plot: Callable[[dict[str, Any], Path], None],
+               tables: Callable[[dict[str, Any]], list[Any]],
+               issues_of: Callable[[dict[str, Any]], dict[str, list[str]]]) -> int:
+    """A finished run of a measurement script: its goals, the JSON, the plot and the tables, then the
+    warnings its servers logged."""
+    results["wall_s"] = time.monotonic() - started
+    results["goals"] = goals_of(results)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.plot)
+    out = Console()
+    for table in tables(results):
+        out.print(table)
+    for name, lines in issues_of(results).items():
+        out.print(f"[yellow]server log ({name}): {len(lines)} warning/error lines[/], first: {lines[0]}")
+    out.print(f"total {results['wall_s'] / 60:.1f} min; results: {args.results}, plot: {args.plot}")
+    return 0
