@@ -41,6 +41,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # constrain the output to a grammar (engine/structured.py)
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling (greedy
+    # too); -100 all but bans a token, 100 all but forces it. The logprobs reported stay the model's.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,12 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise ParamError(message, param)
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or token < 0:
+                raise ParamError(f"logit_bias keys must be token ids (got {token!r})", "logit_bias")
+            if not isinstance(bias, int | float) or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise ParamError(f"logit_bias values must be in [-100, 100] (got {bias!r} for token {token})",
+                                 "logit_bias")
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -114,6 +114,19 @@ def test_penalties() -> None:
                   ).token_ids == [[1]]
 
 
+def test_logit_bias_moves_greedy_and_random_rows_not_logprobs() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0, 0.5]])
+    assert sample(logits.clone(), [_req(SamplingParams(temperature=0, logit_bias={1: 0.2}), [])]).token_ids == [[1]]
+    banned = SamplingParams(temperature=0, logit_bias={0: -100, 1: -100})
+    assert sample(logits.clone(), [_req(banned, [])]).token_ids == [[4]]
+    forced = SamplingParams(temperature=1.0, seed=3, logit_bias={3: 100})
+    assert {sample(logits.clone(), [_req(forced, [i])]).token_ids[0][0] for i in range(8)} == {3}
+    # The logprobs reported are the model's, before the bias.
+    out = sample(logits.clone(), [_req(SamplingParams(temperature=0, logprobs=0, logit_bias={4: 100}), [])])
+    assert out.token_ids == [[4]]
+    assert out.logprobs[0][0].token_logprob == pytest.approx(torch.log_softmax(logits[0], -1)[4].item(), abs=1e-6)
+
+
 def test_utf8_incremental_detokenization(llm_fp32) -> None:  # noqa: ANN001
     tok = llm_fp32.get_tokenizer()
     text = "Café, naïve — 日本語のテキスト and emoji 🎉🚀 done."

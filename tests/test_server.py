@@ -162,6 +162,10 @@ def test_disconnect_frees_blocks(server: Server, client: openai.OpenAI) -> None:
     ({"prompt": "hi " * 9000, "max_tokens": 3}, 400, "prompt"),
     ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "logit_bias": {"1000000": 5}}, 400, "logit_bias"),  # outside the vocabulary
+    ({"prompt": "hi", "logit_bias": {"12": 150}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"twelve": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
 ])
 def test_bad_completion_requests(server: Server, body, status, param) -> None:  # noqa: ANN001
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
@@ -289,3 +293,19 @@ def test_a_killed_engine_core_is_started_again() -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         thread.join(240)
         assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 3
+
+
+def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
+    def complete(**extra: object) -> dict:
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 0} | extra
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    token = httpx.post(f"{server.url}/detokenize", json={"tokens": [28]}, timeout=30).json()["prompt"]
+    assert complete(logit_bias={"28": 100})["text"] == token * 4  # every token the biased one
+    plain = complete()["logprobs"]["tokens"]
+    first = httpx.post(f"{server.url}/tokenize", json={"prompt": plain[0], "add_special_tokens": False},
+                       timeout=30).json()["tokens"]
+    assert len(first) == 1
+    assert complete(logit_bias={str(first[0]): -100})["logprobs"]["tokens"][0] != plain[0]

@@ -233,6 +233,24 @@ def test_stop_strings_max_tokens_and_logprobs_stay_exact(make_llm) -> None:  # n
         assert [len(o.outputs[0].token_ids) for o in outs] == [max_tokens] * len(prompts)
 
 
+def test_logit_bias_applies_to_every_verified_row(make_llm) -> None:  # noqa: ANN001
+    """A bias moves the target distribution; verification must score drafts against the moved one, so
+    greedy and seeded outputs equal the unspeculated run's, with drafts accepted."""
+    prompts = copy_prompts()
+    base = make_llm(dtype="float32")
+    plain = [o.outputs[0].token_ids for o in _greedy(base, prompts, 40)]
+    banned = {max(set(ids), key=ids.count): -100.0 for ids in plain}  # each output's most frequent token
+    spec = make_llm(dtype="float32", speculative_config=json.dumps(NGRAM))
+    for temperature, seed in ((0.0, None), (0.8, 7)):
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=40, logit_bias=banned)
+        expected = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+        accepted = spec.engine.core.spec.stats.num_accepted_tokens
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+        assert spec.engine.core.spec.stats.num_accepted_tokens > accepted
+        assert not any(t in banned for ids in expected for t in ids)
+    assert expected != plain
+
+
 def test_rejected_drafts_never_reach_the_prefix_cache(make_llm) -> None:  # noqa: ANN001
     """Every block the speculating engine cached holds the KV a plain engine computes for the same
     tokens (a rejected draft's KV would be another token's), and drafts were rejected on the way."""

@@ -82,6 +82,9 @@ class InputProcessor:
         outside = [t for t in params.stop_token_ids if t >= lim.vocab_size]
         if outside:
             raise ParamError(f"stop_token_ids must be in [0, {lim.vocab_size}) (got {outside[0]})", "stop_token_ids")
+        outside = [t for t in params.logit_bias or () if t >= lim.vocab_size]
+        if outside:
+            raise ParamError(f"logit_bias token ids must be in [0, {lim.vocab_size}) (got {outside[0]})", "logit_bias")
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       cache_salt: str | None = None, arrival_time: float | None = None) -> list[Request]:

@@ -136,6 +136,10 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
         logits = logits.to(torch.float32, copy=True)
         _mask_min_tokens(logits, rows)
         logits = _penalise(logits, rows)
+    if any(p.logit_bias for p in params):
+        if logits is raw_logits:
+            logits = logits.to(torch.float32, copy=True)
+        _add_logit_bias(logits, params)
 
     tokens = fused.argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -169,6 +173,14 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
         kept_rows.extend(range(first, first + j + 1))
         first += len(d) + 1
     return SamplerOutput(token_ids, _logprobs(raw_logits, params, row_tokens, kept_rows, drafts))
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Each row's logit_bias added to its logits, in place (a verification row gets its request's)."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[SampleLogprobs]:

@@ -112,6 +112,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's: token ids (as JSON object keys, so strings) to a bias in [-100, 100] (SamplingParams checks it).
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -131,7 +133,17 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured=self.structured())
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured(),
+            logit_bias=self.token_biases())
+
+    def token_biases(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise ParamError(f"logit_bias keys must be token ids (got {bad!r})", "logit_bias") from None
 
     def structured(self) -> StructuredOutputs | None:
         """The one output constraint the request names (ParamError when it names several)."""
