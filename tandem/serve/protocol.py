@@ -139,11 +139,13 @@ class _SamplingFields(BaseModel):
     def token_biases(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
-            raise ParamError(f"logit_bias keys must be token ids (got {bad!r})", "logit_bias") from None
+        biases = {}
+        for token, bias in self.logit_bias.items():
+            try:
+                biases[int(token)] = bias
+            except ValueError:
+                raise ParamError(f"logit_bias keys must be token ids (got {token!r})", "logit_bias") from None
+        return biases
 
     def structured(self) -> StructuredOutputs | None:
         """The one output constraint the request names (ParamError when it names several)."""
