@@ -13,3 +13,8 @@ class Slo:
     def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
         """Both met (a request of one token has no TPOT to miss); a request with no first token failed."""
         return ttft_s is not None and ttft_s <= self.ttft_s and (tpot_s is None or tpot_s <= self.tpot_s)
+
+
+# The defaults of `tandem serve --slo-ttft-ms/--slo-tpot-ms`: what admission predicts deadlines against
+# when a server is built without them.
+DEFAULT_SLO = Slo(2.0, 0.2)

@@ -40,7 +40,7 @@ def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
                 assert r.json()["choices"][0]["finish_reason"] == "length"
         # Once the burst is over, the server serves as before.
         again = asyncio.run(burst(s.url, 2))
-        assert [r.status_code for r in again] == [200, 200]
+        assert [r.status_code for r in again] == [200, 200], [r.text for r in again]
         rejected = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
                     if line.startswith("tandem:request_rejected_total{")]
         assert float(rejected[0].rsplit(" ", 1)[1]) >= len(refused)

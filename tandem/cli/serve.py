@@ -57,17 +57,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.kv_offload_path = owned_shm = default_shm_path(f"serve-{os.getpid()}")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     admission = AdmissionSettings(args.max_waiting_requests, args.seat_overcommit, args.admission_ttft_budget or None,
-                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
+                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens,
+                                  predict=args.admission == "on")
     settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint,
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_prompt_chars=args.max_prompt_chars,
                               trust_request_chat_template=args.trust_request_chat_template,
+                              reject_unknown_fields=args.reject_unknown_fields,
                               admission=admission, tenant_header=args.tenant_header,
                               tenant_weights=parse_weights(args.tenant_weight or []),
                               metrics_require_api_key=args.metrics_require_api_key,
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser,
+                              structured_outputs_whitespace=args.structured_outputs_whitespace)
+    if admission.predict:
+        startup.info("admission: on (a request is refused, 429, unless predicted to meet TTFT %.0f ms and TPOT "
+                     "%.0f ms without making another miss; --slo-ttft-ms, --slo-tpot-ms, --admission off)",
+                     args.slo_ttft_ms, args.slo_tpot_ms)
+    else:
+        startup.info("admission: off (only the waiting, seat and tenant limits)")
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:

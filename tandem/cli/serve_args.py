@@ -8,6 +8,7 @@ from tandem.cli.common import add_log_args
 from tandem.engine.args import add_engine_args
 from tandem.serve.admission import AdmissionSettings
 from tandem.serve.tool_calls.formats import FORMATS
+from tandem.slo import DEFAULT_SLO
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -19,6 +20,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--api-key", action="append", help="required bearer token on /v1/* (repeatable; "
                      "or TANDEM_API_KEY); each key is its own prefix-cache tenant")
     adm = srv.add_argument_group("admission and fairness (429 with Retry-After for what cannot be served in time)")
+    adm.add_argument("--admission", default="on", choices=["on", "off"],
+                     help="on: admit a request only if it is predicted to meet --slo-ttft-ms and --slo-tpot-ms "
+                     "without making a request in flight miss its TPOT SLO (from the engine's step times, timed "
+                     "at start-up and followed as it runs); off: only the limits below")
     adm.add_argument("--max-waiting-requests", type=int, default=512,
                      help="requests queued without a first token before new ones get 429")
     adm.add_argument("--seat-overcommit", type=float, default=AdmissionSettings.seat_overcommit,
@@ -50,9 +55,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a chat_template in chat requests (rendered in a sandbox process with a time "
                      "and a size budget); refused with 400 by default")
+    srv.add_argument("--reject-unknown-fields", action="store_true",
+                     help="refuse (400) a request with a field the API does not know; by default such a field is "
+                     "ignored, as vLLM ignores it, with a warning and an X-Ignored-Fields response header")
     srv.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
                      help="how the model writes tool calls; auto: from its chat template (Hermes's <tool_call> "
                      "tags when the template knows no tools, which Tandem then describes in the system prompt)")
+    srv.add_argument("--structured-outputs-whitespace", default="compact", choices=["compact", "flexible"],
+                     help="whitespace in JSON constraints (json_schema, json_object, guided_json) when a request "
+                     "does not set structured_outputs.disable_any_whitespace: compact, as json.dumps writes it, "
+                     "or flexible, any between tokens (llguidance's default; a sampled reply can fill max_tokens "
+                     "with newlines)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM's command lines: tool_choice auto is always on")
     dis = srv.add_argument_group("disaggregation (a router in front of prefill and decode workers)")
@@ -94,8 +107,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                     "there is one")
     pl = srv.add_argument_group("SLOs and the planner (which moves local workers between prefill and decode)")
     pl.add_argument("--planner", default="off", choices=["on", "off"])
-    pl.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="the SLO on time to first token (p90)")
-    pl.add_argument("--slo-tpot-ms", type=float, default=200.0, help="the SLO on time per output token (p90)")
+    pl.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO.ttft_s * 1000,
+                    help="the SLO on time to first token (p90): admission's deadline, the router's and planner's aim")
+    pl.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_s * 1000,
+                    help="the SLO on time per output token (p90): admission's deadline, the router's and planner's aim")
     pl.add_argument("--planner-interval", type=float, default=5.0, help="seconds between the planner's decisions")
     pl.add_argument("--planner-dwell", type=float, default=120.0, help="seconds after an action before the next")
     pl.add_argument("--planner-window", type=float, default=60.0,

@@ -20,7 +20,8 @@ from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.scheduler import Scheduler, SchedulerStats
-from tandem.engine.spec_profile import profile_step_cost, profiled_counts
+from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts
+from tandem.engine.speed import SpeedTracker, StepSpeed
 from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.block_pool import BlockEvent
@@ -131,6 +132,7 @@ class EngineCore:
         # Time and count of steps that decoded: the time between two tokens of a running request.
         self.decode_busy_s = 0.0
         self.num_decode_steps = 0
+        self.speed: SpeedTracker | None = None  # profiled when serving (profile_speed): admission predicts from it
         startup.info("KV pool: %.2f GiB = %d tokens (%d blocks of %d; %s, %d bytes a token), max_model_len %d",
                      self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
                      num_blocks * config.cache.block_size, num_blocks, config.cache.block_size, layout.name,
@@ -149,6 +151,15 @@ class EngineCore:
                      spec.num_speculative_tokens, ", ".join(f"{int(n)}: {s * 1e3:.1f} ms"
                                                             for n, s in zip(cost.tokens, cost.seconds, strict=True)))
         return SpecDecoder(spec, self.max_model_len, cost)
+
+    def profile_speed(self) -> StepSpeed:
+        """Time this engine's steps (a second or two), so that a server can predict its deadlines."""
+        sc = self.config.scheduler
+        speed = profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
+                              self.max_model_len)
+        self.speed = SpeedTracker(speed)
+        startup.info("step times: %s", speed.describe())
+        return speed
 
     @property
     def num_blocks(self) -> int:
@@ -235,6 +246,8 @@ class EngineCore:
         if prompt_tokens < sched.total_num_tokens:
             self.decode_busy_s += step_s
             self.num_decode_steps += 1
+        if self.speed is not None:
+            self.speed.observe(sched.total_num_tokens - prompt_tokens, prompt_tokens, step_s)
         if self.spec is not None:
             self._speculate(sched, result.sampled, drafts, errors, prompt_tokens, step_s)
         return outputs

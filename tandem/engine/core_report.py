@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.engine.speed import StepSpeed
 from tandem.kv.store.tier import merge_tier_stats
 
 if TYPE_CHECKING:  # for the annotations only: the reports stay plain data, importing no engine or model
@@ -45,6 +46,8 @@ class CoreStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # How much longer steps take now than the start-up profile (CoreInfo.speed) says (engine/speed.py).
+    speed_factor: float = 1.0
 
 
 # Running totals: a deployment's are the sum of its engines'.
@@ -72,6 +75,7 @@ class CoreInfo:
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
     weight_formats: tuple[str, ...] = ()  # the linear methods in use (model/linear.py), e.g. gguf-Q4_1
+    speed: StepSpeed | None = None  # its step times, when it was profiled (serving engines are)
 
 
 def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
@@ -85,7 +89,8 @@ def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
     return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
                     cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,
-                    weight_bytes(loaded.model), per_token, weight_formats(loaded.model))
+                    weight_bytes(loaded.model), per_token, weight_formats(loaded.model),
+                    core.speed.speed if core.speed is not None else None)
 
 
 def core_stats(core: EngineCore) -> CoreStats:
@@ -97,7 +102,8 @@ def core_stats(core: EngineCore) -> CoreStats:
                      core.connector.stats().get("tiers", {}), s.num_waiting_prompt_tokens,
                      core.decode_busy_s, core.num_decode_steps, s.num_decoding,
                      *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
-                       if spec else ()))
+                       if spec else (0, 0, 0, [])),
+                     speed_factor=core.speed.factor if core.speed is not None else 1.0)
 
 
 def sum_stats(parts: list[CoreStats]) -> CoreStats | None:

@@ -1,18 +1,22 @@
-"""The step cost the speculation policy weighs drafts against: forward passes of n tokens, timed on
-this machine and this model at start-up (with the engine's own kernels, threads and sampler)."""
+"""Step costs timed on this machine and this model at start-up (with the engine's own kernels,
+threads and sampler): forward passes of n tokens, which the speculation policy weighs drafts against,
+and the prompt and decode curves admission control predicts deadlines from (engine/speed.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
+from tandem.engine.speed import StepSpeed
 from tandem.engine.step import ScheduledRequest, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.speculative.policy import StepCost
 
+PROFILE_CONTEXT = 256  # tokens of context each profiled decode row reads (profile_speed)
 MAX_PROFILED_TOKENS = 256  # past this a step's cost is linear in its tokens: extrapolated
 
 
@@ -42,3 +46,46 @@ def profile_step_cost(runner: ModelRunner, counts: list[int], repeats: int = 2) 
     runner.forget(["spec-profile"])
     # As measured, not smoothed: the kernels' row tiles make 4 tokens cost less than 3 on some CPUs.
     return StepCost(np.asarray(counts, dtype=np.float64), np.asarray(seconds))
+
+
+def _ladder(top: int, points: tuple[int, ...]) -> list[int]:
+    return sorted({n for n in points if n < top} | {top})
+
+
+def profile_speed(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int, num_blocks: int,
+                  max_model_len: int) -> StepSpeed:
+    """Time prompt passes up to the step budget and decode batches up to max_num_seqs (as many as
+    the pool holds at PROFILE_CONTEXT), on throwaway requests whose KV goes to the pool's first
+    blocks: nothing is cached there yet at start-up, and any request writes its blocks before it
+    reads them."""
+    budget = min(max_num_batched_tokens, max_model_len)
+    profile_step_cost(runner, [1, 16])  # warm-up: first passes create kernels and touch pages
+    prompt = profile_step_cost(runner, _ladder(budget, (1, 16, 64, 256)), repeats=2)
+    context = min(PROFILE_CONTEXT, max_model_len - 1)
+    per_row = -(-(context + 1) // runner.block_size)
+    top = max(1, min(max_num_seqs, budget, num_blocks // per_row))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    rows, seconds = _ladder(top, (1, 8, 32, 128)), []
+    for b in rows:
+        items = []
+        for i in range(b):
+            r = Request(f"speed-profile-{i}", [0] * (context + 1), params)
+            r.num_computed_tokens = context
+            items.append(ScheduledRequest(r, 1, list(range(i * per_row, (i + 1) * per_row))))
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            runner.execute(SchedulerOutput(items))
+            best = min(best, time.perf_counter() - t0)
+        runner.forget([f"speed-profile-{i}" for i in range(b)])
+        seconds.append(best)
+    # Noise (another process on the cores) only ever adds time: a bigger pass never costs less
+    # than a smaller one measured after it, so each point is at most the next one.
+    return StepSpeed(tuple(int(n) for n in prompt.tokens), _monotone(prompt.seconds), tuple(rows), _monotone(seconds))
+
+
+def _monotone(seconds: Sequence[float]) -> tuple[float, ...]:
+    out = [float(s) for s in seconds]
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)

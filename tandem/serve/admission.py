@@ -12,13 +12,18 @@ the engine can actually do:
     scheduler shares that throughput between tenants, so a request waits behind its own tenant's
     queue times the tenants waiting (never more than the whole queue): a flood refuses the flooder;
   - per tenant: requests and prompt tokens queued, so one tenant cannot fill the queue for everyone;
-  - the request's own timeout: a request that cannot start before it would time out is refused.
+  - the request's own timeout: a request that cannot start before it would time out is refused;
+  - deadlines (on unless --admission off): a request is admitted only if it is predicted to meet
+    the TTFT and TPOT SLOs without making a request in flight miss its TPOT SLO (deadlines.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from tandem.serve.deadlines import EngineShape, Flights, predict
+from tandem.slo import Slo
 
 
 @dataclass
@@ -30,6 +35,8 @@ class AdmissionSettings:
     ttft_budget_s: float | None = 2.0
     max_tenant_waiting_requests: int | None = None
     max_tenant_queued_tokens: int | None = None
+    # Admit only what is predicted to meet its SLOs without making others miss theirs (deadlines.py).
+    predict: bool = True
 
 
 @dataclass
@@ -44,6 +51,7 @@ class Load:
     other_tenants_waiting: int = 0  # tenants other than the caller's with requests waiting
     # When each sequence in flight will likely free its seat, soonest first (tokens left x token gap).
     seat_free_s: list[float] = field(default_factory=list)
+    flights: Flights | None = None  # each request in flight, for the deadline prediction
 
 
 @dataclass
@@ -70,12 +78,24 @@ class PromptRate:
         self._last = (busy_s, computed_tokens)
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """What the deadline rule needs beyond the load: the engine's speed and shape, the SLOs, and the
+    call's longest output."""
+
+    engine: EngineShape
+    slo: Slo
+    max_tokens: int
+
+
 def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_requests: int, num_seqs: int,
-                    prompt_tokens: int, tokens_per_s: float, timeout_s: float | None) -> Rejection | None:
+                    prompt_tokens: int, tokens_per_s: float, timeout_s: float | None,
+                    deadlines: Deadlines | None = None) -> Rejection | None:
     """None to admit, or why not and when to retry. A call may hold several prompts (num_requests),
     each sampled n times (num_seqs in all); prompt_tokens counts every prompt of the call (0 before
     they are tokenized: the server checks once before tokenizing, so a refusal costs next to nothing,
-    and once after)."""
+    and once after). deadlines: None (off, or an engine that has not measured its speed) skips the
+    prediction."""
     # The wait before its first chunk: the prompt work ahead of it (its own prompt is its service time).
     ahead = min(load.queued_tokens, load.tenant_queued_tokens * (1 + load.other_tenants_waiting))
     wait_s = ahead / max(tokens_per_s, 1.0)
@@ -102,4 +122,24 @@ def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_req
                          f"(budget {settings.ttft_budget_s:.1f} s); retry later", retry)
     if load.waiting and timeout_s is not None and wait_s > timeout_s:
         return Rejection(f"this request cannot start within its timeout ({timeout_s:g} s)", retry)
+    # An idle server admits whatever it predicts: refusing could help nobody.
+    if settings.predict and deadlines is not None and load.flights is not None and load.in_flight:
+        return _check_deadlines(deadlines, load, num_seqs, prompt_tokens, ahead, retry)
+    return None
+
+
+def _check_deadlines(d: Deadlines, load: Load, num_seqs: int, prompt_tokens: int, ahead: int,
+                     retry: int) -> Rejection | None:
+    assert load.flights is not None
+    p = predict(d.engine, d.slo, load.flights, num_seqs, prompt_tokens, d.max_tokens, ahead)
+    if p.ttft_s > p.ttft_deadline_s:
+        return Rejection(f"its first token is predicted in {p.ttft_s:.2f} s, past the TTFT deadline "
+                         f"({p.ttft_deadline_s:.2f} s); retry later",
+                         max(retry, math.ceil(min(p.ttft_s - p.ttft_deadline_s, 3600))))
+    if p.tpot_s > p.tpot_deadline_s:
+        return Rejection(f"its time per output token is predicted at {p.tpot_s * 1e3:.0f} ms, past the TPOT "
+                         f"deadline ({p.tpot_deadline_s * 1e3:.0f} ms); retry later", retry)
+    if p.harmed:
+        return Rejection(f"its prompt would make {p.harmed} request(s) in flight miss the TPOT deadline "
+                         f"({p.tpot_deadline_s * 1e3:.0f} ms); retry later", retry)
     return None

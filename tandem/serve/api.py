@@ -28,6 +28,8 @@ from tandem.serve.openai_routes import OpenAIState, openai_router
 from tandem.serve.prepare import GrammarCheck
 from tandem.serve.protocol import ERROR_RESPONSES
 from tandem.serve.settings import ServerSettings
+from tandem.serve.unknown_fields import UnknownFields
+from tandem.slo import DEFAULT_SLO
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -37,8 +39,10 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     """The OpenAI API over an engine: by default one local engine core; pass another EngineClient
     (the disaggregated router) to serve the same API in front of it."""
     if engine is None:
-        engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint)
+        engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
+                             profile_speed=settings.admission.predict)
     salts = key_salts(settings.api_keys)
+    fields = UnknownFields(settings.reject_unknown_fields)
     text = TextSide.build(tokenizer, settings)
     started = Started()
 
@@ -72,9 +76,10 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     app.include_router(admin_router(AdminState(engine, started, settings.slo)))
     mount_dashboard(app)
     app.include_router(openai_router(OpenAIState(
-        engine, started, text, Callers.build(settings, salts), Admission(engine, settings.admission, started),
-        GrammarCheck(tokenizer, engine))))
-    app.include_router(tokenizer_router(TokenizerState(engine, started, text)))
+        engine, started, text, Callers.build(settings, salts),
+        Admission(engine, settings.admission, settings.slo or DEFAULT_SLO, started),
+        GrammarCheck(tokenizer, engine, settings.structured_outputs_whitespace == "flexible"), fields)))
+    app.include_router(tokenizer_router(TokenizerState(engine, started, text, fields)))
     return app
 
 

@@ -42,6 +42,7 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
 from tandem.serve.core_proc import run_engine_core
+from tandem.serve.deadlines import EngineShape, Flights
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class _Stream:
     num_seqs: int = 1
     tokens_left: int = 0  # of its longest sample, at most: when its seat frees up
     last_output: float = 0.0
+    tokens_done: int = 0  # streamed so far (of its longest sample)
+    first_at: float = 0.0  # when its first token came
     requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
 
 
@@ -84,6 +87,7 @@ class EngineClient:
         self.listeners: list = []  # callables(RequestOutput) for metrics
         self.prompt_rate = PromptRate()
         self.token_gap_s = 0.05  # smoothed time between a stream's outputs: how fast seats free up
+        self.step_budget = 0  # max_num_batched_tokens, once started
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -112,6 +116,7 @@ class EngineClient:
 
     def _make_inputs(self, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
         assert self.info is not None
+        self.step_budget = max_num_batched_tokens
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(
             self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, max_num_batched_tokens,
             enable_chunked_prefill))
@@ -125,6 +130,14 @@ class EngineClient:
         """Sequences the engine runs at once (its max_num_seqs; a cluster's, summed over decode workers)."""
         return self.info.max_num_seqs if self.info is not None else 1
 
+    def shape(self) -> EngineShape | None:
+        """The engine's measured step times and limits, for deadline predictions (None: not profiled,
+        as a cluster's router is not: its workers differ and its path choice predicts per worker)."""
+        if self.info is None or self.info.speed is None:
+            return None
+        factor = self.stats.speed_factor if self.stats is not None else 1.0
+        return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs)
+
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
         if stats is not None:
@@ -136,7 +149,11 @@ class EngineClient:
         in_flight = waiting = queued = tenant_waiting = tenant_queued = 0
         others: set[str | None] = set()
         frees: list[float] = []
+        rows: list[tuple[int, int, int, int, float]] = []
+        now = time.monotonic()
         for s in self.streams.values():
+            rows.append((s.num_seqs, 0 if s.first_output else s.prompt_tokens, s.tokens_left, s.tokens_done,
+                         now - s.first_at if s.first_output else 0.0))
             in_flight += s.num_seqs
             frees += [s.tokens_left * self.token_gap_s] * s.num_seqs
             if not s.first_output:
@@ -147,7 +164,8 @@ class EngineClient:
                     tenant_queued += s.prompt_tokens
                 else:
                     others.add(s.tenant)
-        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees))
+        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees),
+                    Flights.of(rows))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
@@ -221,7 +239,10 @@ class EngineClient:
                 if stream.first_output and new:
                     self.token_gap_s += 0.05 * ((now - stream.last_output) / new - self.token_gap_s)
                 stream.tokens_left = max(stream.tokens_left - new, 0)
+                stream.tokens_done += new
                 stream.last_output = now
+                if not stream.first_output:
+                    stream.first_at = now
                 stream.first_output = True
                 stream.queue.put_nowait(out)
                 if out.finished and not stream.consuming:
@@ -231,9 +252,11 @@ class EngineClient:
 
 class AsyncEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
-                 startup_timeout: float = 300.0, kv_events_endpoint: str | None = None) -> None:
+                 startup_timeout: float = 300.0, kv_events_endpoint: str | None = None,
+                 profile_speed: bool = False) -> None:
         super().__init__(tokenizer)
         self.kv_events_endpoint = kv_events_endpoint
+        self.profile_speed = profile_speed  # time the core's steps at start (admission predicts from them)
         self.config = config
         self.log_level = log_level
         self.startup_timeout = startup_timeout
@@ -248,7 +271,8 @@ class AsyncEngine(EngineClient):
     # -- lifecycle ----------------------------------------------------------------------------
     def _spawn(self) -> None:
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, *self._addresses, self.log_level, self.kv_events_endpoint),
+            target=run_engine_core, args=(self.config, *self._addresses, self.log_level, self.kv_events_endpoint,
+                                              self.profile_speed),
             daemon=True, name="tandem-engine-core")
         self._proc.start()
         self._started_at = time.monotonic()

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from tandem.sampling_params import SamplingParams
-from tandem.serve.admission import AdmissionSettings, check_admission
+from tandem.serve.admission import AdmissionSettings, Deadlines, check_admission
 from tandem.serve.app_state import Started
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.serve.settings import ServerSettings
+from tandem.slo import Slo
 
 
 def key_salts(api_keys: list[str]) -> dict[str, str]:
@@ -71,14 +72,19 @@ class Admission:
 
     engine: EngineClient
     rules: AdmissionSettings
+    slo: Slo  # the deadlines admission predicts against (rules.predict)
     started: Started  # the metrics count the refusals
 
     def admit(self, call: Call, num_prompts: int, params: SamplingParams, prompt_tokens: int = 0) -> None:
         engine = self.engine
         if not engine.healthy:
             raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
+        shape = engine.shape() if self.rules.predict else None
+        limit = engine.info.max_model_len if engine.info is not None else 1 << 20
+        deadlines = None if shape is None else Deadlines(shape, self.slo, params.max_tokens or limit)
         rejection = check_admission(self.rules, engine.capacity(), engine.load(call.tenant), num_prompts,
-                                    num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout)
+                                    num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout,
+                                    deadlines)
         if rejection is not None:
             live = self.started.live
             live.metrics.rejected.labels(live.model).inc(num_prompts)

@@ -51,7 +51,7 @@ class CoreService(EngineService):
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "WARNING",
-                    kv_events_endpoint: str | None = None) -> None:
+                    kv_events_endpoint: str | None = None, profile_speed: bool = False) -> None:
     """Process entry point."""
     logs.setup(log_level, process="core")
     # The parent handles SIGINT/SIGTERM and tells us to shut down; don't die half-way through a step.
@@ -74,6 +74,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         core = EngineCore(config, loaded.model, tokenizer=loaded.tokenizer)
+        if profile_speed:
+            core.profile_speed()
         out.send_pyobj(Ready(core_info(core, loaded)))
         logs.startup.info("engine core ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # report why we could not start, then exit non-zero

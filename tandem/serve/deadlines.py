@@ -1,0 +1,128 @@
+"""Admission by predicted deadline misses: admit a request only if it is predicted to meet its TTFT
+and TPOT SLOs without making a request already admitted miss one it would have met.
+
+The prediction is the scheduler's own arithmetic over the engine's measured step times
+(engine/speed.py: a start-up profile times a live factor). Each step decodes every running sequence
+once and fills the rest of the token budget with prompt chunks in arrival order; so
+  - prompt work drains at (budget - decoding sequences) tokens per step, each step as long as
+    `step_s(decoding, chunk)`; while the waiting requests drain they join the decode batch (counted
+    at half of them on average);
+  - a new request's first token comes after the prompt work the scheduler puts ahead of it (its
+    tenant's fair share of the queue) and its own prompt, plus half the step in flight, plus the
+    wait for a sequence slot when all are taken (the soonest-finishing streams' tokens left);
+  - its prompt is a stall for every sequence that decodes while it is computed: each of them spends
+    min(its tokens left, the drain's steps) steps in full-budget steps and the rest in decode steps
+    of the bigger batch. A stream's predicted TPOT is (its time since its first token + that
+    future) over its token gaps; the new request's own is a decode step of the batch it joins
+    (requests arriving later are checked against it in turn).
+
+Light load predicts an idle server's TTFT and TPOT, far inside any SLO: nothing is refused then.
+An SLO the engine cannot meet even idle (a slow machine, another process on the cores, a long
+prompt) is stretched to STRETCH times what the request would see on an idle server, so that such a
+server still serves concurrently instead of one request at a time (`deadlines`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.engine.speed import StepSpeed
+from tandem.slo import Slo
+
+MIN_CHUNK = 16  # prompt tokens a step takes even with a full decode batch (the scheduler's floor)
+STRETCH = 2.0
+
+
+@dataclass
+class Flights:
+    """The sequences in flight as the frontend counts them, in arrival order (arrays, one entry a
+    request; n samples are num_seqs sequences with the same progress)."""
+
+    num_seqs: np.ndarray  # int
+    prompt_tokens: np.ndarray  # int: its prompt until its first token, then 0
+    tokens_left: np.ndarray  # int: of its longest sample
+    tokens_done: np.ndarray  # int: tokens streamed so far
+    decode_s: np.ndarray  # float: seconds since its first token
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int, float]]) -> Flights:
+        a = np.asarray(rows, dtype=np.float64).reshape(-1, 5)
+        return cls(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4])
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    speed: StepSpeed
+    factor: float  # the live correction (CoreStats.speed_factor)
+    budget: int  # max_num_batched_tokens
+    seats: int  # max_num_seqs
+
+    def step(self, decode_rows: float, prompt_tokens: float) -> float:
+        return self.speed.step_s(decode_rows, prompt_tokens) * self.factor
+
+
+@dataclass
+class Prediction:
+    ttft_s: float
+    tpot_s: float  # the new request's own
+    harmed: int  # requests in flight that meet their TPOT deadline without it and miss it with it
+    worst_tpot_s: float  # the worst TPOT in flight with it admitted (those that would meet it)
+    ttft_deadline_s: float  # the SLO, or STRETCH x its idle TTFT if that is longer
+    tpot_deadline_s: float
+
+
+def deadlines(engine: EngineShape, slo: Slo, prompt_tokens: int) -> tuple[float, float]:
+    """(TTFT, TPOT) deadlines of a request: the SLOs, stretched where even an idle server misses them."""
+    return (max(slo.ttft_s, STRETCH * engine.step(0, prompt_tokens)),
+            max(slo.tpot_s, STRETCH * engine.step(1, 0)))
+
+
+def predict(engine: EngineShape, slo: Slo, flights: Flights, num_seqs: int, prompt_tokens: int,
+            max_tokens: int, ahead_tokens: int) -> Prediction:
+    """ahead_tokens: the waiting prompt work the scheduler runs before this request's."""
+    ttft_deadline, tpot_deadline = deadlines(engine, slo, prompt_tokens)
+    waiting = flights.prompt_tokens > 0
+    decoding = (~waiting) & (flights.tokens_left > 0)
+    d0 = float(flights.num_seqs[decoding].sum())
+    w_seqs = float(flights.num_seqs[waiting].sum())
+    queued = float(flights.prompt_tokens[waiting].sum())
+    mid = min(d0 + w_seqs / 2, engine.seats)
+    chunk = max(engine.budget - mid, MIN_CHUNK)
+    full = engine.step(mid, chunk)
+
+    def drain_s(tokens: float) -> float:
+        return engine.step(mid, tokens) if tokens <= chunk else tokens / chunk * full
+
+    # Its first token: half the step in flight, a seat, the work ahead and its own prompt.
+    in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
+    over = int(flights.num_seqs.sum()) + num_seqs - engine.seats
+    seat_wait = 0.0
+    if over > 0:
+        gaps = np.repeat(flights.tokens_left[decoding], flights.num_seqs[decoding].astype(np.int64))
+        gaps = np.sort(gaps) * engine.step(d0, 0)
+        seat_wait = float(gaps[over - 1]) if over <= len(gaps) else float("inf")
+    ttft = in_flight_step + seat_wait + drain_s(min(ahead_tokens, queued) + prompt_tokens)
+    after = min(d0 + w_seqs + num_seqs, engine.seats)
+    own_tpot = engine.step(after, 0) if max_tokens > 1 else 0.0
+
+    # Everyone else's TPOT, without it and with it: steps spent in full steps while prompts drain.
+    if not len(flights.num_seqs):
+        return Prediction(ttft, own_tpot, 0, 0.0, ttft_deadline, tpot_deadline)
+    starts = np.where(waiting, (np.cumsum(flights.prompt_tokens) / chunk), 0.0)  # step of each first token
+    gaps = np.where(waiting, flights.tokens_left - 1, flights.tokens_done - 1 + flights.tokens_left)
+    left = np.where(waiting, flights.tokens_left - 1, flights.tokens_left)
+
+    def tpots(drain_steps: float, batch: float) -> np.ndarray:
+        stalled = np.minimum(left, np.maximum(drain_steps - starts, 0.0))
+        future = stalled * full + (left - stalled) * engine.step(batch, 0)
+        return (flights.decode_s + future) / np.maximum(gaps, 1)
+
+    judged = gaps >= 1  # one-token requests have no TPOT
+    without = tpots(queued / chunk, min(d0 + w_seqs, engine.seats))
+    with_it = tpots((queued + prompt_tokens) / chunk, after)
+    harmed = int(np.sum(judged & (without <= tpot_deadline) & (with_it > tpot_deadline)))
+    kept = judged & (without <= tpot_deadline)
+    worst = float(with_it[kept].max()) if kept.any() else 0.0
+    return Prediction(ttft, own_tpot, harmed, worst, ttft_deadline, tpot_deadline)
