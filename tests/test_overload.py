@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -44,3 +45,27 @@ def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
         rejected = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
                     if line.startswith("tandem:request_rejected_total{")]
         assert float(rejected[0].rsplit(" ", 1)[1]) >= len(refused)
+
+
+@pytest.mark.slow
+def test_the_default_deadline_rule_refuses_a_burst_it_cannot_serve_in_time() -> None:
+    """Defaults but tight SLOs: the seat and queue limits never bind (128 seats, no TTFT budget), so
+    every refusal is the deadline prediction's, and everything admitted finishes well inside the time
+    a request of the burst would take unguarded."""
+    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--slo-ttft-ms", "400",
+                        "--slo-tpot-ms", "100", "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
+        t0 = time.monotonic()
+        responses = asyncio.run(burst(s.url, 80))
+        took = time.monotonic() - t0
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, codes
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused, "80 at once cannot all start within 400 ms"
+        for r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert "predicted" in r.json()["error"]["message"] or "would make" in r.json()["error"]["message"]
+        served = [r for r in responses if r.status_code == 200]
+        assert served and all(r.json()["choices"][0]["finish_reason"] == "length" for r in served)
+        assert took < 60, f"the burst took {took:.0f} s"
+        again = asyncio.run(burst(s.url, 1))
+        assert again[0].status_code == 200, again[0].text
