@@ -117,6 +117,12 @@ class StructuredOutputs:
 
     kind: str
     spec: str = ""
+    # OpenAI's strict (vLLM's disable_additional_properties): a schema's objects that do not say
+    # additionalProperties take only the properties they name (engine/structured.py, closed_objects).
+    strict: bool = False
+    # JSON's whitespace: llguidance's flexible default (any run of it between tokens), or compact (as
+    # json.dumps writes it; vLLM's disable_any_whitespace) when False; None: the server's default (compact).
+    whitespace_flexible: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

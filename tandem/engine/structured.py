@@ -24,16 +24,62 @@ from tandem.sampling_params import StructuredOutputs
 if TYPE_CHECKING:
     from tandem.engine.request import Request
 
-ANY_JSON_OBJECT = '{"type": "object"}'
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON as json.dumps writes it. llguidance's default lets any run of whitespace sit between tokens, and
+# a sampled reply can wander into newlines there until max_tokens runs out (issue #33).
+COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+# Where a schema holds subschemas: a map of them, a list of them, or one (items may be either).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "contains", "not",
+               "if", "then", "else", "propertyNames")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """OpenAI's (and xgrammar's) strict mode: every object schema that does not say
+    additionalProperties gets additionalProperties false, at any depth; the schema is not changed.
+    An allOf's branches and their parent are left open: they describe one object together, and each
+    closed alone would refuse the properties the others name."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v, key == "allOf") for v in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or \
+        (kind is None and any(k in out for k in ("properties", "required", "patternProperties")))
+    if is_object and not in_all_of and "allOf" not in out and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def json_schema_of(so: StructuredOutputs) -> Any:
+    """The schema llguidance is given for a json or json_object constraint: closed when strict, compact
+    unless whitespace_flexible (a schema's own x-guidance is kept)."""
+    schema: Any = ANY_JSON_OBJECT if so.kind == "json_object" else json.loads(so.spec)
+    if so.strict and so.kind == "json":  # json_object names no properties: closed, it would be only {}
+        schema = closed_objects(schema)
+    if not so.whitespace_flexible and (isinstance(schema, dict) or schema is True):
+        schema = COMPACT | ({} if schema is True else schema)
+    return schema
 
 
 def grammar_of(so: StructuredOutputs) -> str:
     import llguidance
 
-    if so.kind == "json_object":
-        return llguidance.grammar_from("json_schema", ANY_JSON_OBJECT)
-    if so.kind == "json":
-        return llguidance.grammar_from("json_schema", so.spec)
+    if so.kind in ("json", "json_object"):
+        return llguidance.grammar_from("json_schema", json.dumps(json_schema_of(so)))
     if so.kind == "choice":
         choices = json.loads(so.spec)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):

@@ -4,6 +4,7 @@ its SamplingParams, the structured-output constraint and the tool plan, each che
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from tandem.engine.structured import Grammars
@@ -62,15 +63,18 @@ def make_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int
 
 class GrammarCheck:
     """A grammar that cannot be compiled is the client's error (400), found before it is queued.
-    The compiler is built on first use (it needs the engine's vocabulary size)."""
+    The compiler is built on first use (it needs the engine's vocabulary size). A JSON constraint
+    whose request did not say how to space it is given the server's whitespace here."""
 
-    def __init__(self, tokenizer: Any | None, engine: EngineClient) -> None:
-        self.tokenizer, self.engine = tokenizer, engine
+    def __init__(self, tokenizer: Any | None, engine: EngineClient, whitespace_flexible: bool = False) -> None:
+        self.tokenizer, self.engine, self.whitespace_flexible = tokenizer, engine, whitespace_flexible
         self._grammars: Grammars | None = None
 
     async def check(self, params: SamplingParams, param: str = "response_format") -> None:
         if params.structured is None:
             return
+        if params.structured.whitespace_flexible is None:
+            params.structured = replace(params.structured, whitespace_flexible=self.whitespace_flexible)
         if self.tokenizer is None:
             raise bad_request("structured outputs need the model's tokenizer", param)
         if self._grammars is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -69,13 +70,18 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsField(BaseModel):
-    """vLLM's `structured_outputs` request field: exactly one of these."""
+    """vLLM's `structured_outputs` request field: at most one constraint of these, and its options for
+    whichever JSON constraint the request gives (here or in response_format / guided_json)."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's names. Whitespace: false is llguidance's flexible default; unset, the server's
+    # (--structured-outputs-whitespace, compact unless told).
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False  # as strict: objects take only the properties they name
 
 
 class _SamplingFields(BaseModel):
@@ -156,7 +162,8 @@ class _SamplingFields(BaseModel):
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise ParamError("response_format json_schema needs json_schema.schema", "response_format")
-            found.append(("response_format", StructuredOutputs("json", json.dumps(rf.json_schema.schema_))))
+            found.append(("response_format", StructuredOutputs("json", json.dumps(rf.json_schema.schema_),
+                                                               strict=bool(rf.json_schema.strict))))
         so = self.structured_outputs
         if so is not None:
             for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -170,7 +177,15 @@ class _SamplingFields(BaseModel):
         if len(found) > 1:
             raise ParamError(f"give one output constraint, not {len(found)} ({', '.join(f for f, _ in found)})",
                              found[1][0])
-        return found[0][1] if found else None
+        if not found:
+            return None
+        constraint = found[0][1]
+        if so is None or constraint.kind not in ("json", "json_object"):
+            return constraint
+        whitespace = constraint.whitespace_flexible if so.disable_any_whitespace is None \
+            else not so.disable_any_whitespace
+        return replace(constraint, strict=constraint.strict or so.disable_additional_properties,
+                       whitespace_flexible=whitespace)
 
 
 class CompletionRequest(_SamplingFields):

@@ -8,13 +8,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.structured import COMPACT
 from tandem.sampling_params import ParamError
 from tandem.serve.tool_calls.formats import ToolFormat
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# Forced calls are written as json.dumps writes them (and as the prompt shows them): llguidance's
-# flexible whitespace lets a sampled call wander into tabs and newlines between its tokens.
-COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
 @dataclass
@@ -57,7 +55,8 @@ def call_schema(fmt: ToolFormat, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def forced_calls_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool) -> str:
-    """Lark (llguidance's dialect, whose %json takes a schema): one call, or several if parallel."""
+    """Lark (llguidance's dialect, whose %json takes a schema): one call, or several if parallel,
+    compact as json.dumps writes them (and as the prompt shows them)."""
     schemas = [call_schema(fmt, t) for t in tools]
     body = "%json " + json.dumps(COMPACT | (schemas[0] if len(schemas) == 1 else {"anyOf": schemas}))
     call = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}" if fmt.open and fmt.close \
