@@ -309,3 +309,32 @@ def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
                        timeout=30).json()["tokens"]
     assert len(first) == 1
     assert complete(logit_bias={str(first[0]): -100})["logprobs"]["tokens"][0] != plain[0]
+
+
+def test_unknown_fields_are_ignored_and_named(server: Server) -> None:
+    """As vLLM, a field the API does not know is ignored; the response names it (X-Ignored-Fields),
+    streaming or not, on every JSON POST endpoint. The log line: tests/test_unknown_fields.py."""
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [  # (path, body, the header)
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "frobnicate": 1, "stream_options": {"x": 1}},
+         "frobnicate, stream_options.x"),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "stream": True, "frobnicate": 1}, "frobnicate"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": 1}] * 2, "max_tokens": 2,
+                                  "store": True}, "store, messages[].mood"),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "stream": True, "store": True}, "store"),
+        ("/tokenize", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+        ("/detokenize", {"tokens": [504], "frobnicate": 1}, "frobnicate"),
+        # known fields, whether or not Tandem uses them, are not named
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "user": "u1", "suffix": None, "stream": True,
+                             "stream_options": {"include_usage": True}}, None),
+        ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "user": "u1", "parallel_tool_calls": False,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "n", "schema": {"type": "object", "made_up": 1}}}}, None),
+    ]
+    for path, body, header in cases:
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+            text = r.read().decode()
+            assert r.status_code == 200, text
+            assert r.headers.get("x-ignored-fields") == header, (body, r.headers)
+            if body.get("stream"):
+                assert text.rstrip().endswith("data: [DONE]")

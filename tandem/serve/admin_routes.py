@@ -6,16 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import tandem
 from tandem.serve import cluster_view
 from tandem.serve.app_state import Started, TextSide
 from tandem.serve.async_engine import EngineClient
-from tandem.serve.errors import bad_request
+from tandem.serve.errors import bad_request, request_id
 from tandem.serve.prepare import chat_ids, check_model, need_text
 from tandem.serve.protocol import DetokenizeRequest, TokenizeRequest, error_body
+from tandem.serve.unknown_fields import UnknownFields
 from tandem.slo import Slo
 
 
@@ -63,6 +64,7 @@ class TokenizerState:
     engine: EngineClient  # its limits: max_model_len, vocab_size
     started: Started  # the model's names
     text: TextSide
+    fields: UnknownFields  # a body's fields that no model declares: said so, or refused
 
 
 def tokenizer_router(s: TokenizerState) -> APIRouter:
@@ -70,7 +72,8 @@ def tokenizer_router(s: TokenizerState) -> APIRouter:
     engine, text = s.engine, s.text
 
     @router.post("/tokenize")
-    async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize_endpoint(body: TokenizeRequest, request: Request, response: Response) -> dict[str, Any]:
+        response.headers.update(s.fields.check(body, request_id(request.scope)))
         check_model(body.model, s.started.live)
         if body.messages is not None:
             ids = await chat_ids(text, need_text(text), [m.as_template_dict() for m in body.messages], None, True,
@@ -96,7 +99,8 @@ def tokenizer_router(s: TokenizerState) -> APIRouter:
                 "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False))}
 
     @router.post("/detokenize")
-    async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize_endpoint(body: DetokenizeRequest, request: Request, response: Response) -> dict[str, Any]:
+        response.headers.update(s.fields.check(body, request_id(request.scope)))
         check_model(body.model, s.started.live)
         worker = need_text(text)
         assert engine.info is not None

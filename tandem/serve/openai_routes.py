@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.serve.app_state import Started, TextSide
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers
-from tandem.serve.errors import bad_request
+from tandem.serve.errors import bad_request, request_id
 from tandem.serve.openai_format import Formatter, usage
 from tandem.serve.prepare import (
     GrammarCheck,
@@ -28,6 +28,7 @@ from tandem.serve.prepare import (
 )
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.serve.responses import collect, open_streams, sse
+from tandem.serve.unknown_fields import UnknownFields
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class OpenAIState:
     callers: Callers  # a request's tenant, weight and deadline
     admission: Admission
     grammars: GrammarCheck  # structured outputs, checked before they are queued
+    fields: UnknownFields  # a body's fields that no model declares: said so, or refused
 
 
 def openai_router(s: OpenAIState) -> APIRouter:
@@ -53,6 +55,7 @@ def openai_router(s: OpenAIState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        headers = s.fields.check(body, request_id(request.scope))
         live = s.started.live
         check_model(body.model, live)
         params = make_params(body, body.max_tokens, body.logprobs)
@@ -78,7 +81,7 @@ def openai_router(s: OpenAIState) -> APIRouter:
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(streams, fmt, params, n_prompt, include, echo, num_top, call.timeout),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         finals = await collect(request, streams, call.timeout)
         choices = []
         for i, final in enumerate(finals):
@@ -87,10 +90,11 @@ def openai_router(s: OpenAIState) -> APIRouter:
                 echoed = (final.prompt_token_ids, final.prompt_logprobs) if echo and final.prompt_logprobs else None
                 choices.append(fmt.choice(i * params.n + out.index, out, shown, num_top, echoed))
         n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
-        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)))
+        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)), headers=headers)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        headers = s.fields.check(body, request_id(request.scope))
         live = s.started.live
         check_model(body.model, live)
         if text.worker is None:
@@ -115,10 +119,10 @@ def openai_router(s: OpenAIState) -> APIRouter:
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(streams, fmt, params, len(ids), include, None, num_top, call.timeout),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         final = (await collect(request, streams, call.timeout))[0]
         choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
         n_out = sum(len(o.token_ids) for o in final.outputs)
-        return JSONResponse(fmt.response(choices, usage(len(ids), n_out)))
+        return JSONResponse(fmt.response(choices, usage(len(ids), n_out)), headers=headers)
 
     return router

@@ -39,12 +39,37 @@ Text = Annotated[str, AfterValidator(_encodable)]
 Texts = Annotated[str | list[str], AfterValidator(_encodable)]
 
 
+class RequestBody(BaseModel):
+    """A JSON object of a request. Fields no model declares are accepted, as vLLM accepts them, and
+    kept only so that unknown_fields can name them: nothing else reads them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The fields a request sent that no model declares, each once, as its path in the schema:
+    `stream_options.x`; a list's items share one path (`messages[].x`), so a long chat names a
+    field once. Free-form objects (a schema, logit_bias) have no unknown fields."""
+    found = [prefix + name for name in body.model_extra or {}]
+    for name, field in type(body).model_fields.items():
+        found += _unknown_in(getattr(body, name), prefix + (field.alias or name))
+    return list(dict.fromkeys(found))
+
+
+def _unknown_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, BaseModel):
+        return unknown_fields(value, path + ".")
+    if isinstance(value, list):
+        return [name for item in value for name in _unknown_in(item, path + "[]")]
+    return []
+
+
 def _finite(default: float | None, **bounds: float) -> Any:
     # JSON bodies may carry NaN and Infinity (Python's json reads them); no sampling knob means anything then.
     return Field(default, allow_inf_nan=False, **bounds)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -57,19 +82,19 @@ def _constraint(kind: str, value: Any) -> StructuredOutputs:
     return StructuredOutputs(kind, "" if value is True else value)
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestBody):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(BaseModel):
+class StructuredOutputsField(RequestBody):
     """vLLM's `structured_outputs` request field: at most one constraint of these, and its options for
     whichever JSON constraint the request gives (here or in response_format / guided_json)."""
 
@@ -84,12 +109,11 @@ class StructuredOutputsField(BaseModel):
     disable_additional_properties: bool = False  # as strict: objects take only the properties they name
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are accepted and ignored
-
     model: Text | None = None
+    user: str | None = None  # OpenAI's end-user id: declared, as vLLM declares it, so not unknown; unused
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = _finite(None, ge=0, le=2)
     top_p: float | None = _finite(None, gt=0, le=1)
@@ -220,33 +244,33 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ContentPart(BaseModel):
+class ContentPart(RequestBody):
     type: Literal["text"]
     text: str  # checked by the message's content validator, which names the field
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(RequestBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; none: any object
     strict: bool | None = None  # every call is held to the schema when it is forced (tool_choice)
 
 
-class Tool(BaseModel):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
+class FunctionName(RequestBody):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(RequestBody):
     name: Text
     arguments: Text  # JSON text, as the API returned it
 
@@ -262,15 +286,13 @@ class CalledFunction(BaseModel):
         return v
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(RequestBody):
     id: Text
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Annotated[str | list[ContentPart], AfterValidator(_encodable)] | None = None
     name: Text | None = None
@@ -307,7 +329,9 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def function_defs(self) -> list[dict[str, Any]] | None:
-        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools] if self.tools \
+        # What the template shows: the declared fields only (not strict, nor a field no model declares).
+        shown = set(FunctionDef.model_fields) - {"strict"}
+        return [t.function.model_dump(exclude_none=True, include=shown) for t in self.tools] if self.tools \
             else None
 
     def tool_choice_value(self) -> str | dict[str, Any] | None:
@@ -315,14 +339,14 @@ class ChatCompletionRequest(_SamplingFields):
         return {"name": c.function.name} if isinstance(c, NamedToolChoice) else c
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: Text | None = None
     tokens: list[TokenId]
 

@@ -19,6 +19,8 @@ class ServerSettings:
     max_prompt_chars: int = 1_000_000  # all prompts or messages of one request, checked before tokenizing
     trust_request_chat_template: bool = False  # render a request's chat_template (in a sandbox process)
     chat_template_timeout: float = 2.0  # seconds a request's template may render before it is killed
+    # A request field that no model declares is a 400 (by default: ignored, with a warning and X-Ignored-Fields).
+    reject_unknown_fields: bool = False
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     # Tenants are API keys; or, when named, the value of this header (a gateway's user id).
     tenant_header: str | None = None
