@@ -100,7 +100,8 @@ def test_the_prompt_shows_the_tools_and_the_history_in_the_format() -> None:
 
 def test_tool_choice_is_checked() -> None:
     assert plan_tools(HERMES, None, None, True) is None
-    assert plan_tools(HERMES, TOOLS, "none", True).prompt_tools is None
+    none = plan_tools(HERMES, TOOLS, "none", True)  # as vLLM: the tools are shown, no call is made or parsed
+    assert none.prompt_tools == TOOLS and not none.parse and none.grammar is None
     auto = plan_tools(HERMES, TOOLS, None, True)
     assert auto.parse and auto.grammar is None and auto.prompt_tools == TOOLS
     for tools, choice, param in ((None, "required", "tool_choice"), (TOOLS, {"name": "nope"}, "tool_choice"),
@@ -207,11 +208,14 @@ def test_the_openai_client_round_trip() -> None:
         plain = ask(False, extra_body={"guided_choice": ["It is sunny."]}).choices[0]
         assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is sunny.", None, "stop")
 
-        # none: no tools in the prompt, no parsing
+        # none: the tools in the prompt (auto's prompt, token for token), but a call is content, not parsed
         none = ask(False, tool_choice="none", extra_body={"guided_regex": regex})
         bare = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
         assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
-        assert none.usage.prompt_tokens == bare.usage.prompt_tokens < ask(False).usage.prompt_tokens
+        assert none.choices[0].finish_reason == "stop"
+        assert none.usage.prompt_tokens == ask(False).usage.prompt_tokens > bare.usage.prompt_tokens
+        assert gathered(ask(True, tool_choice="none", extra_body={"guided_regex": regex})) == (
+            none.choices[0].message.content, [], "stop")
 
         # the next turn: the call and its result go back in, and the prompt shows both
         turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

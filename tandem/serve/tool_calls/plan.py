@@ -35,8 +35,8 @@ def plan_tools(fmt: ToolFormat, tools: list[dict[str, Any]] | None, choice: str 
         raise ParamError("tool names must be unique", "tools")
     if choice is None:
         choice = "auto"
-    if choice == "none":
-        return ToolPlan(None, False, None)
+    if choice == "none":  # as vLLM: the prompt still shows the tools, but nothing makes or parses calls
+        return ToolPlan(tools, False, None)
     if choice == "auto":
         return ToolPlan(tools, True, None)
     if choice == "required":
