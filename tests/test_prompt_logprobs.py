@@ -6,6 +6,7 @@ any of them."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -72,3 +73,55 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_api(hf_reference) -> N
                     for c in json.loads(line[6:])["choices"]:
                         streamed += c["logprobs"]["token_logprobs"]
         assert streamed == lp["token_logprobs"]
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked-16"])
+def test_n_samples_score_the_prompt_once(make_llm, monkeypatch, options: dict) -> None:  # noqa: ANN001
+    """n=3 with prompt logprobs: the same prompt logprobs and greedy tokens as n=1, the prompt scored
+    by one child only, and the other two reading its blocks from the prefix cache."""
+    import tandem.engine.runner as runner_module
+
+    llm = make_llm(dtype="float32", **options)
+    runner = llm.engine.core.runner
+    scored_rows: list[int] = []
+    prompt_tokens: dict[str, int] = {}  # child id -> prompt tokens it computed
+    real_score, real_execute = runner_module.token_logprobs, runner.execute
+
+    def score(logits, token_ids, num_top):  # noqa: ANN001, ANN202
+        scored_rows.append(len(token_ids))
+        return real_score(logits, token_ids, num_top)
+
+    def execute(sched):  # noqa: ANN001, ANN202
+        for s in sched.scheduled:
+            r = s.request
+            prompt_tokens[r.request_id] = prompt_tokens.get(r.request_id, 0) + max(
+                0, min(r.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - r.num_computed_tokens)
+        return real_execute(sched)
+
+    monkeypatch.setattr(runner_module, "token_logprobs", score)
+    monkeypatch.setattr(runner, "execute", execute)
+    # A prompt of its own per parametrization, so that no earlier run's blocks are in the cache.
+    prompt = f"{PROMPTS[1]}\n# {options}"
+    block_size = llm.engine.config.cache.block_size
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP)
+
+    three = llm.generate([prompt], replace(params, n=3))[0]
+    ids = three.prompt_token_ids
+    assert len(ids) > 2 * block_size  # blocks to share
+    assert sum(scored_rows) == len(ids) - 1  # three children scoring would be 3x
+    children = sorted(prompt_tokens)
+    assert len(children) == 3 and prompt_tokens[children[0]] == len(ids)  # the scorer: every position
+    # The others read its blocks from the prefix cache: whole, all its full blocks; in chunks, at least one.
+    shared = (len(ids) - 1) // block_size * block_size if not options else block_size
+    assert all(prompt_tokens[c] <= len(ids) - shared for c in children[1:]), prompt_tokens
+
+    scored_rows.clear()
+    one = llm.generate([prompt], params)[0]
+    assert sum(scored_rows) == len(ids) - 1
+    # The same entries; the values to rounding (another batch shape sums in another order).
+    got, want = three.prompt_logprobs, one.prompt_logprobs
+    assert got is not None and want is not None and got[0] is None and len(got) == len(want) == len(ids)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert {t: e.rank for t, e in g.items()} == {t: e.rank for t, e in w.items()}
+        torch.testing.assert_close([g[t].logprob for t in w], [e.logprob for e in w.values()], atol=1e-5, rtol=0)
+    assert [o.token_ids for o in three.outputs] == [one.outputs[0].token_ids] * 3

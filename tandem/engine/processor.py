@@ -93,8 +93,11 @@ class InputProcessor:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
             return [Request(request_id, prompt_ids, params, self.limits.eos_token_id, cache_salt, arrival)]
+        # The prompt is the same for every child, so only the first scores it (the parent's output
+        # takes its logprobs); the others, not wanting them, may reuse its blocks from the prefix cache.
         return [Request(child_id(request_id, i), prompt_ids,
-                        replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                        replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None),
                         self.limits.eos_token_id, cache_salt, arrival)
                 for i in range(params.n)]
 
@@ -131,6 +134,7 @@ class _Parent:
     arrival_time: float
     seqs: dict[str, _Sequence]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    awaits_prompt_logprobs: bool = False  # asked for, not yet here
 
 
 class OutputProcessor:
@@ -149,7 +153,9 @@ class OutputProcessor:
                                            cumulative_logprob=0.0 if r.sampling_params.logprobs is not None else None)
             self.child_to_parent[r.request_id] = request_id
         self.parents[request_id] = _Parent(request_id, prompt, requests[0].prompt_token_ids,
-                                           requests[0].arrival_time, seqs)
+                                           requests[0].arrival_time, seqs,
+                                           awaits_prompt_logprobs=requests[0].sampling_params.prompt_logprobs
+                                           is not None)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -180,11 +186,17 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None, *(_entry(lp) for lp in out.prompt_logprobs)]  # the first: none
+                parent.awaits_prompt_logprobs = False
             changed[parent_id] = parent
         results = []
         for parent in changed.values():
             done = all(s.finish_reason is not None for s in parent.seqs.values())
-            results.append(self._finish_parent(parent) if done else self._make_output(parent, False))
+            if done:
+                results.append(self._finish_parent(parent))
+            elif not parent.awaits_prompt_logprobs:
+                results.append(self._make_output(parent, False))
+            # else: a child that does not score the prompt got ahead of the one that does; its tokens
+            # wait (unemitted) so that every choice's first chunk carries the echoed prompt's logprobs.
         return results, to_abort
 
     def _update(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
