@@ -1,25 +1,27 @@
-"""Local workers that die are started again, with a backoff that doubles while they keep dying young."""
+"""Local workers that die are started again, with the restart backoff (tandem/restart_backoff.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from tandem.disagg.registry import WorkerHandle
+from tandem.restart_backoff import MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S, RestartBackoff
 
 log = logging.getLogger(__name__)
 
-YOUNG_S = 60.0  # a worker that dies sooner after joining than this doubles its next delay
-
 
 class Restarter:
-    def __init__(self, start: Callable[[str], None], backoff_s: float, max_backoff_s: float) -> None:
+    def __init__(self, start: Callable[[str], None], backoff_s: float = RESTART_BACKOFF_S,
+                 max_backoff_s: float = MAX_RESTART_BACKOFF_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
         self.start = start  # worker id -> its process started again (the fleet's start)
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.clock, self.sleep = clock, sleep  # the registry's clock (WorkerHandle.joined is on it)
         self.count = 0
-        self._deaths: dict[str, int] = {}  # worker id -> deaths in a row, each young
+        self._backoffs: dict[str, RestartBackoff] = {}  # per worker id: a restarted worker keeps its id
         self._tasks: set[asyncio.Task] = set()
         self._stopped = False
 
@@ -28,14 +30,13 @@ class Restarter:
         by its own host and joins again."""
         if not worker.local or self._stopped:
             return False
-        young = time.monotonic() - worker.joined < YOUNG_S
-        deaths = self._deaths.get(worker.worker_id, -1) + 1 if young else 0
-        self._deaths[worker.worker_id] = deaths
-        delay = min(self.backoff_s * 2 ** deaths, self.max_backoff_s)
+        backoff = self._backoffs.setdefault(worker.worker_id,
+                                            RestartBackoff(self.backoff_s, self.max_backoff_s, clock=self.clock))
+        delay = backoff.next_delay(worker.joined)
         log.warning("starting worker %s again in %.0f s", worker.worker_id, delay)
 
         async def restart() -> None:
-            await asyncio.sleep(delay)
+            await self.sleep(delay)
             if not self._stopped:
                 self.start(worker.worker_id)
                 self.count += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.restart_backoff import MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S
+
 
 @dataclass
 class RouterSettings:
@@ -15,9 +17,9 @@ class RouterSettings:
     reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
     prefill_timeout: float = 300.0
     max_attempts: int = 2  # disaggregated tries before running the request colocated
-    # A dead local worker is started again after restart_backoff_s, doubling per quick death, up to the max.
-    restart_backoff_s: float = 1.0
-    max_restart_backoff_s: float = 30.0
+    # A dead local worker is started again by the restart backoff (tandem/restart_backoff.py).
+    restart_backoff_s: float = RESTART_BACKOFF_S
+    max_restart_backoff_s: float = MAX_RESTART_BACKOFF_S
 
 
 @dataclass

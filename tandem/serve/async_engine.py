@@ -15,7 +15,7 @@ import multiprocessing
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
 from tandem.engine.worker_view import host_name, process_cores, worker_entry
 from tandem.outputs import RequestOutput
+from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
 from tandem.serve.core_proc import run_engine_core
@@ -266,7 +267,8 @@ class AsyncEngine(EngineClient):
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._addresses = ("", "")
-        self._started_at = 0.0
+        self.restart_backoff = RestartBackoff()
+        self._started_at = 0.0  # on restart_backoff's clock
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -275,7 +277,7 @@ class AsyncEngine(EngineClient):
                                               self.profile_speed),
             daemon=True, name="tandem-engine-core")
         self._proc.start()
-        self._started_at = time.monotonic()
+        self._started_at = self.restart_backoff.clock()
 
     async def start(self) -> None:
         base = Path(self._tmp.name)
@@ -363,21 +365,19 @@ class AsyncEngine(EngineClient):
             elif isinstance(msg, StartupFailed):
                 log.error("engine core failed to start again: %s", msg.reason)
 
-    async def _watch_process(self) -> None:
-        """A core that dies is started again, after 1 s, doubling up to 30 s while it dies young.
+    async def _watch_process(self, sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
+        """A core that dies is started again after the restart backoff (tandem/restart_backoff.py).
         Requests that streamed something fail (their state died with it); the others wait and are
         sent again once it is back. Meanwhile the server answers 503 and /health is unhealthy."""
-        quick_deaths = 0
         while True:
-            await asyncio.sleep(0.5)
+            await sleep(0.5)
             if self._proc is None or self._proc.is_alive():
                 continue
             self.dead = f"engine core died (exit code {self._proc.exitcode})"
             for rid, stream in list(self.streams.items()):
                 if stream.first_output:
                     self._fail(rid, EngineDeadError(self.dead))
-            quick_deaths = quick_deaths + 1 if time.monotonic() - self._started_at < 60 else 0
-            delay = min(2.0 ** quick_deaths / 2, 30.0)
+            delay = self.restart_backoff.next_delay(self._started_at)
             log.error("%s; starting it again in %.0f s", self.dead, delay)
-            await asyncio.sleep(delay)
+            await sleep(delay)
             self._spawn()
