@@ -102,6 +102,15 @@ def run_all(server: Server, texts: list[str], max_tokens: int = 24, **extra: obj
     return asyncio.run(main())
 
 
+def echo_logprobs(server: Server, prompt: str) -> list[tuple[list[str], list[float | None]]]:
+    """A log-likelihood request (echo + logprobs: the prompt scored, then 8 greedy tokens), n=2:
+    per choice, its tokens (the prompt's and the generated) and their logprobs."""
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 8, "temperature": 0, "n": 2}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in r.json()["choices"]]
+
+
 @pytest.fixture(scope="module")
 def colocated_outputs(passages: list[str]) -> dict[str, list]:
     with running_server(*COMMON) as s:
@@ -144,6 +153,26 @@ def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: 
         if transport == "zmq":
             assert metric(s, "kv_transfer_received_bytes") == metric(s, "kv_transfer_sent_bytes")
         wait_blocks_free(s)
+
+
+def test_1p1d_prompt_logprobs_equal_colocated(passages: list[str], disagg_server: Server) -> None:
+    """The prefill worker scores the prompt; its logprobs reach the response through the router:
+    the same tokens and (float32, greedy) the same logprobs as colocated, with the KV transferred."""
+    texts = prompts(passages)[2:4]  # a short prompt and a long one (chunked prefill, many blocks)
+    with running_server(*COMMON) as colocated:
+        wants = [echo_logprobs(colocated, t) for t in texts]
+    s = disagg_server
+    transfers, fallbacks = metric_or_zero(s, "kv_transfers", outcome="ok"), metric(s, "router_colocated_fallbacks")
+    got = [echo_logprobs(s, t) for t in texts]
+    for text, choices, want in zip(texts, got, wants, strict=True):
+        assert len(choices) == 2
+        for (tokens, lps), (want_tokens, want_lps) in zip(choices, want, strict=True):
+            assert tokens == want_tokens and "".join(tokens).startswith(text)
+            assert lps[0] is None and want_lps[0] is None and len(lps) == len(want_lps)
+            assert lps[1:] == pytest.approx(want_lps[1:], abs=1e-4)
+    assert metric(s, "kv_transfers", outcome="ok") - transfers == 2 * len(texts)  # n=2: both children moved
+    assert metric(s, "router_colocated_fallbacks") == fallbacks
+    wait_blocks_free(s)
 
 
 def test_streaming_through_the_router_equals_non_streaming(disagg_server: Server) -> None:

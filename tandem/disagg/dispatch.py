@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from tandem.disagg.flight import Flight, Phase, WorkerLost, first_token_output, prefill_request
+from tandem.disagg.flight import Flight, Phase, WorkerLost, first_token_output, prefill_request, reserve_request
 from tandem.disagg.messages import Admit, FlightReply, Prefill, Prefilled, Reserve, Reserved, TransferFailed
 from tandem.disagg.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
@@ -181,8 +181,9 @@ class Dispatcher:
         self.assign(flight, prefill, decode)
         flight.phase = Phase.RESERVE
         t0 = time.monotonic()
+        reserve = Reserve(reserve_request(flight.request))
         while True:
-            reply = await self._ask(flight, decode, self.settings.reserve_timeout, Reserve(flight.request))
+            reply = await self._ask(flight, decode, self.settings.reserve_timeout, reserve)
             if isinstance(reply, Reserved):
                 break
             if time.monotonic() - t0 > self.settings.reserve_timeout:

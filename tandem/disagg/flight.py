@@ -36,6 +36,15 @@ def prefill_request(request: Request) -> Request:
     return replace(request, sampling_params=params)
 
 
+def reserve_request(request: Request) -> Request:
+    """The decode worker's copy: its prompt's KV arrives computed, so it never scores the prompt
+    (the prefill worker's output carries the prompt logprobs); asked to, its scheduler would compute
+    the prompt itself rather than take the transfer."""
+    if request.sampling_params.prompt_logprobs is None:
+        return request
+    return replace(request, sampling_params=replace(request.sampling_params, prompt_logprobs=None))
+
+
 def first_token_output(request: Request, first: EngineCoreOutput, max_model_len: int) -> EngineCoreOutput:
     """The prefill worker ran the request with max_tokens 1, so its output always "finished"; the
     request itself did only on a stop, at its own max_tokens, or at the context's end."""
