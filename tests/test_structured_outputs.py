@@ -1,12 +1,15 @@
 """Structured outputs: every output parses as its constraint (JSON schemas with nested objects,
 enums, arrays and patterns; regexes; choices) over many seeds; unconstrained requests in the same
 batch are unchanged; the API takes OpenAI's response_format and vLLM's structured_outputs / guided_*
-fields and refuses a constraint that does not compile with a 400."""
+fields and refuses a constraint that does not compile with a 400; strict closes a schema's objects,
+JSON is compact unless asked otherwise, and a strict reply is its object or says finish_reason length."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -68,7 +71,11 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile() -> No
         r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
                                                                            "strict": True}})
         assert r.status_code == 200, r.text
-        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+        content = r.json()["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), schema)
+        assert json.dumps(json.loads(content)) == content  # compact, as json.dumps writes it
+        r = chat(max_tokens=4, response_format={"type": "json_object"})
+        assert r.json()["choices"][0]["finish_reason"] == "length", r.text  # cut: not an object, and says so
         r = chat(structured_outputs={"choice": ["yes", "no"]})
         assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
         r = chat(guided_regex="[0-9]{4}", stream=True)
@@ -81,6 +88,35 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile() -> No
             r = chat(**fields)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_request_fields_and_the_server_default_set_strict_and_whitespace(llm_fp32) -> None:  # noqa: ANN001
+    from tandem.serve.prepare import GrammarCheck
+    from tandem.serve.protocol import ChatCompletionRequest
+
+    def structured(**fields: object) -> StructuredOutputs | None:
+        return ChatCompletionRequest(messages=PROMPT, **fields).structured()
+
+    spec = json.dumps(OPEN_SCHEMAS[0])
+    strict = {"type": "json_schema", "json_schema": {"schema": OPEN_SCHEMAS[0], "strict": True}}
+    assert structured(response_format=strict) == StructuredOutputs("json", spec, strict=True)
+    assert structured(response_format={"type": "json_schema", "json_schema": {"schema": OPEN_SCHEMAS[0]}}) == \
+        StructuredOutputs("json", spec)
+    assert structured(guided_json=OPEN_SCHEMAS[0], structured_outputs={
+        "disable_any_whitespace": False, "disable_additional_properties": True}) == \
+        StructuredOutputs("json", spec, strict=True, whitespace_flexible=True)
+    assert structured(response_format={"type": "json_object"}, structured_outputs={"disable_any_whitespace": True}) \
+        == StructuredOutputs("json_object", whitespace_flexible=False)
+    assert structured(structured_outputs={"regex": "a+", "disable_any_whitespace": False}) == \
+        StructuredOutputs("regex", "a+")  # JSON's options: nothing to a regex
+
+    engine = SimpleNamespace(info=SimpleNamespace(vocab_size=49152))  # what GrammarCheck reads of it
+    for server_flexible in (False, True):  # --structured-outputs-whitespace compact | flexible
+        check = GrammarCheck(llm_fp32.get_tokenizer(), engine, server_flexible)  # type: ignore[arg-type]
+        for asked, given in ((None, server_flexible), (True, True), (False, False)):
+            params = SamplingParams(structured=StructuredOutputs("json_object", whitespace_flexible=asked))
+            asyncio.run(check.check(params))
+            assert params.structured is not None and params.structured.whitespace_flexible is given
 
 
 @pytest.mark.slow
@@ -103,6 +139,107 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
         assert run(pair.url) == expected
     assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", expected[0]) and expected[1] in ("alpha", "beta", "gamma")
     jsonschema.validate(json.loads(expected[2]), SCHEMAS[0])
+
+
+# Small objects that do not say additionalProperties (issue #33's held-out requests did not).
+OPEN_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                      "population": {"type": "integer"}}, "required": ["city", "country"]},
+    {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "object", "properties": {
+        "last": {"type": "string"}}, "required": ["last"]}}, "required": ["title", "author"]},
+]
+
+
+def test_strict_closes_every_object_and_keeps_what_the_schema_says() -> None:
+    from tandem.engine.structured import COMPACT, closed_objects, json_schema_of
+
+    item = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "kept": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "list": {"type": "array", "items": item}, "pair": {"prefixItems": [item, {"type": "string"}]},
+        "either": {"anyOf": [item, {"$ref": "#/$defs/d"}]},
+        "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {"properties": {"r": {}}}}}]}},
+        "$defs": {"d": {"properties": {"e": {}}, "required": ["e"]}}, "additionalProperties": True}
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is True  # said: kept
+    assert props["a"]["additionalProperties"] is False
+    assert props["kept"]["additionalProperties"] == {"type": "integer"}
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["pair"]["prefixItems"][0]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False  # no type, but properties: an object
+    # allOf's branches make one object together: they stay open, what is nested in them is closed
+    both = props["both"]
+    assert "additionalProperties" not in both and "additionalProperties" not in both["allOf"][0]
+    assert both["allOf"][1]["properties"]["q"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema["properties"]["a"]  # the request's schema is not changed
+    jsonschema.Draft202012Validator.check_schema(closed)
+
+    text = json.dumps(schema)
+    assert json_schema_of(StructuredOutputs("json", text)) == COMPACT | schema  # not strict: only compact
+    assert json_schema_of(StructuredOutputs("json", text, strict=True)) == COMPACT | closed
+    assert json_schema_of(StructuredOutputs("json", text, whitespace_flexible=True)) == schema
+    # json_object names no properties: closed, it could only be {}
+    assert json_schema_of(StructuredOutputs("json_object", strict=True, whitespace_flexible=True)) == \
+        {"type": "object"}
+    own = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
+    assert json_schema_of(StructuredOutputs("json", json.dumps(own))) == own  # the schema's own spacing wins
+
+
+def test_compact_json_has_no_free_whitespace_and_flexible_is_llguidances_default(llm_fp32) -> None:  # noqa: ANN001
+    import llguidance
+
+    from tandem.engine.structured import Grammars, grammar_of
+
+    tokenizer = llm_fp32.get_tokenizer()
+    grammars = Grammars(tokenizer, 49152)
+    spec = json.dumps(OPEN_SCHEMAS[2])
+
+    def takes(so: StructuredOutputs, text: str) -> bool:
+        m = grammars.matcher(so)
+        return all(m.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
+            m.is_accepting()
+
+    written = '{"title": "Dune", "author": {"last": "Herbert"}}'
+    spaced = '{\n  "title": "Dune",\n  "author": {"last":"Herbert"}\n}'
+    extra = '{"title": "Dune", "author": {"last": "Herbert", "first": "Frank"}}'
+    for so in (StructuredOutputs("json", spec), StructuredOutputs("json", spec, strict=True)):
+        assert takes(so, written) and not takes(so, spaced)
+    assert takes(StructuredOutputs("json", spec), extra) and not takes(StructuredOutputs("json", spec, strict=True),
+                                                                      extra)
+    flexible = StructuredOutputs("json", spec, whitespace_flexible=True)
+    assert grammar_of(flexible) == llguidance.grammar_from("json_schema", spec)
+    assert takes(flexible, written) and takes(flexible, spaced)
+    assert takes(StructuredOutputs("json_object"), written) and not takes(StructuredOutputs("json_object"), spaced)
+
+
+def test_strict_schemas_at_temperature_finish_as_valid_objects_or_say_length(llm_fp32) -> None:  # noqa: ANN001
+    """Issue #33: strict, at temperature 0.8 and max_tokens 120, the replies had invented properties and
+    newlines between every token until max_tokens ran out. Each reply is now its closed schema's object,
+    written compactly, or is cut by max_tokens and says so."""
+    from tandem.engine.structured import closed_objects
+
+    cases = [(s, seed) for s in OPEN_SCHEMAS for seed in range(12)]
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=120,
+                             structured=StructuredOutputs("json", json.dumps(s), strict=True)) for s, seed in cases]
+    outs = llm_fp32.chat([[{"role": "user", "content": "Answer in JSON."}]] * len(cases), params)
+    reasons = []
+    for (schema, _), out in zip(cases, outs, strict=True):
+        text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+        assert "\n" not in text, text
+        if reason == "length":
+            assert len(out.outputs[0].token_ids) == 120
+        else:
+            assert reason == "stop", (text, reason)
+            jsonschema.validate(json.loads(text), closed_objects(schema))
+        reasons.append(reason)
+    # Most finish. A long string may not, nor a number: closed, an object whose properties are all
+    # written allows only "}" where this model wants a "," and more properties, so digits can win.
+    assert reasons.count("stop") >= len(cases) // 2, reasons
 
 
 def test_the_mask_is_llguidances_own_bit_for_bit(llm_fp32) -> None:  # noqa: ANN001
