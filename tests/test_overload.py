@@ -53,7 +53,7 @@ def test_the_default_deadline_rule_refuses_a_burst_it_cannot_serve_in_time() -> 
     every refusal is the deadline prediction's, and everything admitted finishes well inside the time
     a request of the burst would take unguarded."""
     with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--slo-ttft-ms", "400",
-                        "--slo-tpot-ms", "100", "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
+                        "--slo-tpot-ms", "100", "--admission", "on", "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
         t0 = time.monotonic()
         responses = asyncio.run(burst(s.url, 80))
         took = time.monotonic() - t0
