@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class Phase:
                 reason = json.loads(r.error.split(": ", 1)[1])["error"]["message"].split(";")[0]
             except (IndexError, KeyError, ValueError):
                 reason = r.error[:60]
+            reason = re.sub(r"\d+(\.\d+)?", "N", reason)  # one count per rule, whatever its figures
             reasons[reason] = reasons.get(reason, 0) + 1
         out_tokens = sum(r.output_tokens for r in self.admitted())
         return {"requests": len(self.records), "admitted": len(self.admitted()), "statuses": statuses,

@@ -136,3 +136,23 @@ def test_an_slo_the_idle_engine_misses_is_stretched_to_twice_idle() -> None:
     assert p.ttft_deadline_s == pytest.approx(max(SLO.ttft_s, 2 * slow.step(0, 100)))
     assert admit(flights(*decoding(1)), 100, engine=slow) is None, "a second stream: a little slower, not 2x"
     assert admit(flights(*decoding(40)), 100, engine=slow) is not None, "40 streams: far past twice idle"
+
+
+def test_first_tokens_later_than_predicted_make_the_next_predictions_later() -> None:
+    from tandem.serve.deadlines import Calibration, predict_ttft
+
+    calibration = Calibration()
+    queue = flights(*[(1, 1000, 32, 0, 0.0)] * 3)
+    predicted = predict_ttft(ENGINE, queue, 1, 100, 3000)
+    assert predicted == pytest.approx(predict(ENGINE, SLO, queue, 1, 100, 32, 3000).ttft_s)
+    for _ in range(60):
+        calibration.observe(predicted, 3 * predicted)
+    assert calibration.ttft == pytest.approx(3.0, rel=0.01)
+    calibration.observe(0.005, 10.0)
+    assert calibration.ttft == pytest.approx(3.0, rel=0.01), "an idle server's first token says nothing"
+    rules = AdmissionSettings(ttft_budget_s=None)
+    late = check_admission(rules, 64, load_of(queue), 1, 1, 100, 5000.0, None, Deadlines(ENGINE, SLO, 32, 1.0))
+    assert late is None and predicted < SLO.ttft_s < 3 * predicted
+    biased = check_admission(rules, 64, load_of(queue), 1, 1, 100, 5000.0, None,
+                             Deadlines(ENGINE, SLO, 32, calibration.ttft))
+    assert biased is not None and "TTFT deadline" in biased.message

@@ -86,6 +86,7 @@ class Deadlines:
     engine: EngineShape
     slo: Slo
     max_tokens: int
+    ttft_bias: float = 1.0  # admitted first tokens against their predictions (deadlines.Calibration)
 
 
 def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_requests: int, num_seqs: int,
@@ -132,6 +133,7 @@ def _check_deadlines(d: Deadlines, load: Load, num_seqs: int, prompt_tokens: int
                      retry: int) -> Rejection | None:
     assert load.flights is not None
     p = predict(d.engine, d.slo, load.flights, num_seqs, prompt_tokens, d.max_tokens, ahead)
+    p.ttft_s *= d.ttft_bias
     if p.ttft_s > p.ttft_deadline_s:
         return Rejection(f"its first token is predicted in {p.ttft_s:.2f} s, past the TTFT deadline "
                          f"({p.ttft_deadline_s:.2f} s); retry later",

@@ -43,7 +43,7 @@ from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
 from tandem.serve.admission import Load, PromptRate
 from tandem.serve.core_proc import run_engine_core
-from tandem.serve.deadlines import EngineShape, Flights
+from tandem.serve.deadlines import Calibration, EngineShape, Flights, predict_ttft
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class _Stream:
     last_output: float = 0.0
     tokens_done: int = 0  # streamed so far (of its longest sample)
     first_at: float = 0.0  # when its first token came
+    created: float = 0.0
+    predicted_ttft_s: float = 0.0  # the deadline rule's prediction when it was enqueued (0: none)
     requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
 
 
@@ -89,6 +91,7 @@ class EngineClient:
         self.prompt_rate = PromptRate()
         self.token_gap_s = 0.05  # smoothed time between a stream's outputs: how fast seats free up
         self.step_budget = 0  # max_num_batched_tokens, once started
+        self.calibration = Calibration()  # first tokens against their predictions (the deadline rule's bias)
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -139,6 +142,17 @@ class EngineClient:
         factor = self.stats.speed_factor if self.stats is not None else 1.0
         return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs)
 
+    def _predicted_ttft(self, tenant: str | None, prompt_tokens: int, num_seqs: int) -> float:
+        """What the step profile predicts for a request enqueued now, so that its first token can
+        correct the next predictions (0 without a profile)."""
+        shape = self.shape()
+        if shape is None:
+            return 0.0
+        load = self.load(tenant)
+        assert load.flights is not None
+        ahead = min(load.queued_tokens, load.tenant_queued_tokens * (1 + load.other_tenants_waiting))
+        return predict_ttft(shape, load.flights, num_seqs, prompt_tokens, ahead)
+
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
         if stats is not None:
@@ -185,7 +199,9 @@ class EngineClient:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
         stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests),
-                         tokens_left=min(params.max_tokens or limit, limit), requests=requests)
+                         tokens_left=min(params.max_tokens or limit, limit), requests=requests,
+                         created=time.monotonic(), predicted_ttft_s=self._predicted_ttft(tenant, len(prompt_ids),
+                                                                                          len(requests)))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
@@ -244,6 +260,8 @@ class EngineClient:
                 stream.last_output = now
                 if not stream.first_output:
                     stream.first_at = now
+                    if stream.predicted_ttft_s:
+                        self.calibration.observe(stream.predicted_ttft_s, now - stream.created)
                 stream.first_output = True
                 stream.queue.put_nowait(out)
                 if out.finished and not stream.consuming:

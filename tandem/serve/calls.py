@@ -81,7 +81,8 @@ class Admission:
             raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
         shape = engine.shape() if self.rules.predict else None
         limit = engine.info.max_model_len if engine.info is not None else 1 << 20
-        deadlines = None if shape is None else Deadlines(shape, self.slo, params.max_tokens or limit)
+        deadlines = None if shape is None else Deadlines(shape, self.slo, params.max_tokens or limit,
+                                                        engine.calibration.ttft)
         rejection = check_admission(self.rules, engine.capacity(), engine.load(call.tenant), num_prompts,
                                     num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout,
                                     deadlines)

@@ -79,6 +79,44 @@ def deadlines(engine: EngineShape, slo: Slo, prompt_tokens: int) -> tuple[float,
             max(slo.tpot_s, STRETCH * engine.step(1, 0)))
 
 
+def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, ahead_tokens: int
+                 ) -> float:
+    """Half the step in flight, a seat, the prompt work ahead and its own prompt."""
+    waiting = flights.prompt_tokens > 0
+    decoding = (~waiting) & (flights.tokens_left > 0)
+    d0 = float(flights.num_seqs[decoding].sum())
+    queued = float(flights.prompt_tokens[waiting].sum())
+    mid = min(d0 + float(flights.num_seqs[waiting].sum()) / 2, engine.seats)
+    chunk = max(engine.budget - mid, MIN_CHUNK)
+    work = min(ahead_tokens, queued) + prompt_tokens
+    drain = engine.step(mid, work) if work <= chunk else work / chunk * engine.step(mid, chunk)
+    in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
+    over = int(flights.num_seqs.sum()) + num_seqs - engine.seats
+    seat_wait = 0.0
+    if over > 0:
+        gaps = np.repeat(flights.tokens_left[decoding], flights.num_seqs[decoding].astype(np.int64))
+        gaps = np.sort(gaps) * engine.step(d0, 0)
+        seat_wait = float(gaps[over - 1]) if over <= len(gaps) else float("inf")
+    return in_flight_step + seat_wait + drain
+
+
+class Calibration:
+    """Admitted requests' first tokens as they came against their predictions: the factor on the
+    next TTFT predictions. It takes in what the step profile cannot see: the API process's own
+    queue (parsing, tokenizing and refusing under a flood), the sockets between the processes."""
+
+    ALPHA, RANGE = 0.1, (0.5, 5.0)
+
+    def __init__(self) -> None:
+        self.ttft = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s <= 0.01:  # an idle server's first token: noise, not a bias
+            return
+        ratio = min(max(actual_s / predicted_s, self.RANGE[0]), self.RANGE[1])
+        self.ttft += self.ALPHA * (ratio - self.ttft)
+
+
 def predict(engine: EngineShape, slo: Slo, flights: Flights, num_seqs: int, prompt_tokens: int,
             max_tokens: int, ahead_tokens: int) -> Prediction:
     """ahead_tokens: the waiting prompt work the scheduler runs before this request's."""
@@ -92,18 +130,7 @@ def predict(engine: EngineShape, slo: Slo, flights: Flights, num_seqs: int, prom
     chunk = max(engine.budget - mid, MIN_CHUNK)
     full = engine.step(mid, chunk)
 
-    def drain_s(tokens: float) -> float:
-        return engine.step(mid, tokens) if tokens <= chunk else tokens / chunk * full
-
-    # Its first token: half the step in flight, a seat, the work ahead and its own prompt.
-    in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
-    over = int(flights.num_seqs.sum()) + num_seqs - engine.seats
-    seat_wait = 0.0
-    if over > 0:
-        gaps = np.repeat(flights.tokens_left[decoding], flights.num_seqs[decoding].astype(np.int64))
-        gaps = np.sort(gaps) * engine.step(d0, 0)
-        seat_wait = float(gaps[over - 1]) if over <= len(gaps) else float("inf")
-    ttft = in_flight_step + seat_wait + drain_s(min(ahead_tokens, queued) + prompt_tokens)
+    ttft = predict_ttft(engine, flights, num_seqs, prompt_tokens, ahead_tokens)
     after = min(d0 + w_seqs + num_seqs, engine.seats)
     own_tpot = engine.step(after, 0) if max_tokens > 1 else 0.0
 
