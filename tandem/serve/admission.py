@@ -53,6 +53,12 @@ class Load:
     seat_free_s: list[float] = field(default_factory=list)
     flights: Flights | None = None  # each request in flight, for the deadline prediction
 
+    @property
+    def ahead_tokens(self) -> int:
+        """The prompt work the scheduler runs before a new request of this tenant: its own queue,
+        shared with the other tenants waiting, never more than the whole queue."""
+        return min(self.queued_tokens, self.tenant_queued_tokens * (1 + self.other_tenants_waiting))
+
 
 @dataclass
 class Rejection:
@@ -98,7 +104,7 @@ def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_req
     and once after). deadlines: None (off, or an engine that has not measured its speed) skips the
     prediction."""
     # The wait before its first chunk: the prompt work ahead of it (its own prompt is its service time).
-    ahead = min(load.queued_tokens, load.tenant_queued_tokens * (1 + load.other_tenants_waiting))
+    ahead = load.ahead_tokens
     wait_s = ahead / max(tokens_per_s, 1.0)
     retry = max(1, math.ceil(load.queued_tokens / max(tokens_per_s, 1.0)))
     if load.waiting + num_requests > settings.max_waiting_requests:

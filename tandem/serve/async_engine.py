@@ -150,8 +150,7 @@ class EngineClient:
             return 0.0
         load = self.load(tenant)
         assert load.flights is not None
-        ahead = min(load.queued_tokens, load.tenant_queued_tokens * (1 + load.other_tenants_waiting))
-        return predict_ttft(shape, load.flights, num_seqs, prompt_tokens, ahead)
+        return predict_ttft(shape, load.flights, num_seqs, prompt_tokens, load.ahead_tokens)
 
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
