@@ -20,12 +20,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.model.packed_linear import PackedLinear, packing_supported
-from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, quantized_linear
+from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
+from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, gemm_rows, quantized_linear
 
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """How the native layer stack (ops/layer_stack.cpp) multiplies by a layer's weight: its kind
+    (0 dense, 1 small_batch_linear panels, 2 ggml blocks, 3 ggml blocks with int8 activations), the
+    tensor it reads, and the most rows that form serves (0: any)."""
+
+    kind: int
+    weight: torch.Tensor
+    qtype: int = 0
+    max_rows: int = 0
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -52,6 +64,10 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def native_form(self, layer: Linear) -> NativeLinear | None:
+        """This layer's form for the native layer stack; None: it has none (the Python path serves it)."""
+        return NativeLinear(0, layer.weight) if isinstance(layer.weight, torch.Tensor) else None
+
 
 class PackedBf16Method(LinearMethod):
     name = "packed-bf16"
@@ -62,6 +78,10 @@ class PackedBf16Method(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer.packed(x)
+
+    def native_form(self, layer: Linear) -> NativeLinear | None:
+        panels = layer.packed.panels
+        return None if panels is None else NativeLinear(1, panels, max_rows=SMALL_BATCH_ROWS)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,10 @@ class GGUFMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)
+
+    def native_form(self, layer: Linear) -> NativeLinear | None:
+        # Past gemm_rows quantized_linear dequantizes for a GEMM: the Python path's job.
+        return NativeLinear(3 if self.int8_activations else 2, layer.qdata, self.fmt.ggml_type, gemm_rows())
 
 
 DENSE = LinearMethod()

@@ -1,0 +1,84 @@
+"""The Llama family's decoder layers as one native call per step (tandem/ops/layer_stack.cpp).
+
+The stack holds the same weight tensors the modules hold (no copy) and calls the same kernels the
+Python layer loop calls, in the same order, so both give the same bits; the Python loop stays the
+reference and serves every step the stack cannot: kernels unavailable or disabled, another
+device, a layer-wise KV connector (it runs between layers), more rows than a linear's native form
+serves, or prompt rows the prefill kernel cannot read (a portable build, an int8 pool).
+
+TANDEM_NATIVE_LAYERS=0 turns the stack off (the Python loop serves every step).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tandem.model.attention import AttentionMetadata
+from tandem.model.linear import Linear
+from tandem.ops import extension
+from tandem.ops.paged_attention import prefill_kernel_supports
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_layers_enabled() -> bool:
+    return os.environ.get("TANDEM_NATIVE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_layer_stack(model: Any) -> Any | None:
+    """A LayerStack for a LlamaForCausalLM's layers, or None where it cannot serve them."""
+    if not native_layers_enabled() or not extension.extension_available():
+        return None
+    norm = model.norm.weight
+    cfg = model.cfg
+    if norm.device.type != "cpu" or norm.dtype not in _DTYPES or cfg.head_dim % 16:  # the kernels' rows
+        return None
+    first = model.layers[0].self_attn
+    stack = torch.classes.tandem.LayerStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                            first.scale)
+    none = torch.empty(0, dtype=norm.dtype)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if mlp.act != "silu":
+            return None
+        q_norm = attn.q_norm.weight if attn.q_norm is not None else none
+        k_norm = attn.k_norm.weight if attn.k_norm is not None else none
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
+                        attn.window)
+        linear: Linear
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            form = linear.method.native_form(linear)
+            if form is None:
+                return None
+            bias = linear.bias if linear.bias is not None else none
+            stack.add_linear(form.kind, form.weight, bias, linear.out_features, linear.in_features, form.qtype,
+                             form.max_rows)
+    return stack
+
+
+def stack_serves(stack: Any, x: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether the stack can run this step (x: its embedded rows)."""
+    if x.shape[0] > stack.max_rows() or kv_caches.device.type != "cpu":
+        return False
+    if kv_caches.dtype not in (x.dtype, torch.int8):
+        return False
+    if meta.num_prefills:
+        cache = kv_caches[0, 0]
+        return prefill_kernel_supports(x.new_empty(0, 1, cache.shape[-1]), cache, cache)
+    return True
+
+
+def run_layer_stack(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's output and residual (not yet added), as the Python loop leaves them."""
+    sampled = meta.sampled_rows is not None
+    empty_long, empty_int = x.new_empty(0, dtype=torch.long), x.new_empty(0, 0, dtype=torch.int32)
+    return stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+                         meta.decode_seq_lens, meta.prefill_block_tables, meta.prefill_query_start,
+                         meta.prefill_seq_lens, sampled,
+                         meta.sampled_rows if sampled else empty_long,
+                         meta.sampled_block_tables if sampled else empty_int,
+                         meta.sampled_seq_lens if sampled else empty_int.view(0))

@@ -1,0 +1,215 @@
+// The Llama family's decoder stack in one native call: every layer of a step, from the first
+// layer's norm to the last layer's MLP, without going back to Python between operators.
+//
+// At batch 1 a step of the default model (30 layers) is ~330 operator calls; through Python each
+// costs its argument parsing, the dispatcher and an output allocation, which together were more
+// than the linears' time. Here each layer calls the same kernels the PyTorch path calls (this
+// file adds no arithmetic of its own), so the two paths agree to the bit, and the Python
+// loop (tandem/model/llama.py) stays the reference and the fallback.
+//
+// The stack is built once, after loading, as a torch custom class holding the weights (no copies:
+// the same tensors the modules hold). Each linear is one of the forms model/linear.py plans:
+//   kDense   a [out, in] weight, at::linear
+//   kPanels  a bf16 weight packed into small_batch_linear's panels (up to max_rows rows)
+//   kGguf    ggml blocks as stored, gguf_linear or gguf_linear_q8 (up to max_rows rows)
+// A step whose rows exceed a linear's max_rows, or that the kernels cannot serve, is left to the
+// Python path by the caller (LayerStack.max_rows).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace tandem_ops {
+
+// The kernels of the other translation units (fused.cpp, kv_write.cpp, paged_attention.cpp,
+// paged_prefill.cpp, linear.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
+                                                double eps);
+void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       int64_t window, double softcap, at::Tensor& out);
+at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& query_start,
+                                        const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                                        at::Tensor& out);
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                              int64_t out_features);
+
+namespace {
+
+enum LinearKind : int64_t { kDense = 0, kPanels = 1, kGguf = 2, kGgufQ8 = 3 };
+
+using GgufOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&);
+
+c10::TypedOperatorHandle<GgufOp> gguf_op(bool int8_activations) {
+  // The quantized kernels live in their own translation units' anonymous namespaces: reached
+  // through the dispatcher (a lookup once, ~1 us a call).
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow(int8_activations ? "tandem::gguf_linear_q8" : "tandem::gguf_linear", "")
+      .typed<GgufOp>();
+}
+
+struct LinearW {
+  int64_t kind = kDense;
+  at::Tensor weight;  // dense [out, in], panels, or the blocks [out, row bytes]
+  std::optional<at::Tensor> bias;
+  int64_t out_features = 0, in_features = 0, qtype = 0;
+  int64_t max_rows = std::numeric_limits<int64_t>::max();
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kPanels: return small_batch_linear(x, weight, bias, out_features);
+      case kGguf:
+      case kGgufQ8: {
+        static const auto f = gguf_op(false), q8 = gguf_op(true);
+        return (kind == kGgufQ8 ? q8 : f).call(x, weight, qtype, in_features, bias);
+      }
+      default: return at::linear(x, weight, bias);
+    }
+  }
+};
+
+struct LayerW {
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  std::vector<LinearW> linears;               // qkv, o, gate_up, down
+  int64_t window = 0;
+};
+
+std::optional<at::Tensor> given(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+}  // namespace
+
+class LayerStack : public torch::CustomClassHolder {
+ public:
+  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && D_ > 0, "LayerStack: bad head geometry");
+  }
+
+  // q_norm/k_norm: empty tensors when the family has none.
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& q_norm,
+                 const at::Tensor& k_norm, int64_t window) {
+    TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "LayerStack: the previous layer lacks linears");
+    layers_.push_back(LayerW{input_norm.contiguous(), post_norm.contiguous(), given(q_norm), given(k_norm), {}, window});
+  }
+
+  // The next of the last layer's linears, in the order qkv, o, gate_up, down; bias: empty for none;
+  // max_rows: the most rows this form serves (0: any).
+  void add_linear(int64_t kind, const at::Tensor& weight, const at::Tensor& bias, int64_t out_features,
+                  int64_t in_features, int64_t qtype, int64_t max_rows) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "LayerStack: add_layer first");
+    TORCH_CHECK(kind >= kDense && kind <= kGgufQ8, "LayerStack: unknown linear kind ", kind);
+    LinearW l{kind, weight, given(bias), out_features, in_features, qtype,
+              max_rows > 0 ? max_rows : std::numeric_limits<int64_t>::max()};
+    max_rows_ = std::min(max_rows_, l.max_rows);
+    layers_.back().linears.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t max_rows() const { return max_rows_; }
+
+  // x: the embedded tokens [T, hidden]. kv_caches [layers, 2, blocks, block_size, KVH, D]. The first
+  // num_decodes rows are single-token queries; the rest are the prefill kernel's (query_start over
+  // them). sampled_only: the last layer continues with sampled_rows only (perhaps none), each
+  // as one query over sampled_block_tables / sampled_seq_lens. Returns the last layer's output and
+  // residual, not yet added (the final norm adds them).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                             const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
+                                             int64_t num_decodes, const at::Tensor& decode_block_tables,
+                                             const at::Tensor& decode_seq_lens,
+                                             const at::Tensor& prefill_block_tables,
+                                             const at::Tensor& prefill_query_start,
+                                             const at::Tensor& prefill_seq_lens, bool sampled_only,
+                                             const at::Tensor& sampled_rows,
+                                             const at::Tensor& sampled_block_tables,
+                                             const at::Tensor& sampled_seq_lens) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() == 4, "LayerStack: incomplete");
+    TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers(), "LayerStack: kv_caches must be [",
+                num_layers(), ", 2, blocks, block_size, KVH, D]");
+    const int64_t T = x_in.size(0), q_size = H_ * D_, kv_size = KVH_ * D_;
+    TORCH_CHECK(T <= max_rows_, "LayerStack: ", T, " rows, more than its linears serve (", max_rows_, ")");
+    const int64_t num_prefills = prefill_seq_lens.size(0);
+    at::Tensor x = x_in, residual;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const LayerW& L = layers_[i];
+      const bool last_sampled = sampled_only && i + 1 == num_layers();
+      at::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, L.input_norm, eps_);
+      } else {
+        std::tie(h, residual) = add_rms_norm(x, residual, L.input_norm, eps_);
+      }
+      const at::Tensor qkv = L.linears[0](h);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H_, D_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, KVH_, D_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH_, D_});
+      if (L.q_norm && L.k_norm) {
+        q = rms_norm(q.reshape({-1, D_}), *L.q_norm, eps_).view({T, H_, D_});
+        k = rms_norm(k.reshape({-1, D_}), *L.k_norm, eps_).view({T, KVH_, D_});
+      }
+      rotary_(q, k, cos, sin);
+      at::Tensor k_cache = kv_caches[i][0], v_cache = kv_caches[i][1];
+      write_kv(k, v, k_cache, v_cache, slot_mapping);
+      at::Tensor attn;
+      if (last_sampled) {
+        const at::Tensor qs = q.index_select(0, sampled_rows);
+        attn = at::empty(qs.sizes(), qs.options());
+        paged_decode_attention_out(qs, k_cache, v_cache, sampled_block_tables, sampled_seq_lens, scale_, L.window,
+                                   0.0, attn);
+        residual = residual.index_select(0, sampled_rows);
+      } else {
+        attn = at::empty({T, H_, D_}, q.options());
+        if (num_decodes > 0) {
+          at::Tensor out = attn.narrow(0, 0, num_decodes);
+          paged_decode_attention_out(q.narrow(0, 0, num_decodes), k_cache, v_cache, decode_block_tables,
+                                     decode_seq_lens, scale_, L.window, 0.0, out);
+        }
+        if (num_prefills > 0) {
+          at::Tensor out = attn.narrow(0, num_decodes, T - num_decodes);
+          paged_prefill_attention_out(q.narrow(0, num_decodes, T - num_decodes), k_cache, v_cache,
+                                      prefill_block_tables, prefill_query_start, prefill_seq_lens, scale_, L.window,
+                                      0.0, out);
+        }
+      }
+      const at::Tensor o = L.linears[1](attn.view({attn.size(0), q_size}));
+      std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
+      x = L.linears[3](silu_and_mul(L.linears[2](h)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t H_, KVH_, D_;
+  double eps_, scale_;
+  std::vector<LayerW> layers_;
+  int64_t max_rows_ = std::numeric_limits<int64_t>::max();
+};
+
+}  // namespace tandem_ops
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.class_<tandem_ops::LayerStack>("LayerStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &tandem_ops::LayerStack::add_layer)
+      .def("add_linear", &tandem_ops::LayerStack::add_linear)
+      .def("num_layers", &tandem_ops::LayerStack::num_layers)
+      .def("max_rows", &tandem_ops::LayerStack::max_rows)
+      .def("forward", &tandem_ops::LayerStack::forward);
+}
