@@ -12,7 +12,8 @@ from tandem.flags import json_object
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
 #   auto     gguf, except where the dense path of the model's dtype is faster: bfloat16 on a CPU that
 #            computes it natively (oneDNN / dpbf16 kernels; measured, README "Quantized weights")
-#   gguf     as stored (Q4_0 / Q4_1 / Q8_0), multiplied with activations in float
+#   gguf     as stored (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K; other ggml types are
+#            dequantized at load), multiplied with activations in float
 #   gguf-q8  as stored, activations rounded to int8 per block (llama.cpp's arithmetic; see
 #            tandem/model/quant.py for why it is not the default)
 #   none     dequantized to the model's dtype

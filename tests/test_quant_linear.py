@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from tandem.model import quant
-from tandem.model.quant import NATIVE_FORMATS, QuantizedWeight, reference_linear
+from tandem.model.block_formats import NATIVE_FORMATS, Q4_1
+from tandem.model.quant import QuantizedWeight, reference_linear
 from tandem.ops import extension
 
-FORMATS = [f.name for f in NATIVE_FORMATS.values()]
+# The formats gguf-py can quantize (blocks of 32); the K-quants are tests/test_kquants.py's.
+FORMATS = [f.name for f in NATIVE_FORMATS.values() if f.block_weights == 32]
 ROWS = [1, 2, 3, 8, 32, 128, 512]
 kernel = pytest.mark.skipif(not extension.extension_available(), reason="compiled ops unavailable")
 
@@ -31,7 +33,7 @@ def make_weight(fmt_name: str, out_features: int, in_features: int, seed: int) -
     qtype = gguf.GGMLQuantizationType[fmt_name]
     rows = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05, qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(rows, qtype).astype(np.float32))
-    return QuantizedWeight.from_numpy(rows, quant.NATIVE_FORMATS[int(qtype)], in_features), dense
+    return QuantizedWeight.from_numpy(rows, NATIVE_FORMATS[int(qtype)], in_features), dense
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -47,7 +49,7 @@ def op(int8: bool):  # noqa: ANN201 (a torch op)
 
 def fallback(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
     """The pure-PyTorch arithmetic, whatever the extension."""
-    dense = quant._torch_dequantize(w.data, w.fmt, w.in_features)
+    dense = quant.torch_dequantize(w.data, w.fmt, w.in_features)
     xf = quant._torch_q8_roundtrip(x) if int8 else x.float()
     out = torch.nn.functional.linear(xf, dense, None if bias is None else bias.float())
     return out.to(x.dtype)
@@ -61,7 +63,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_matches_gguf_py(fmt: str) -> None:
     w, dense = make_weight(fmt, 37, 96, seed=1)
-    assert torch.equal(quant._torch_dequantize(w.data, w.fmt, w.in_features), dense)
+    assert torch.equal(quant.torch_dequantize(w.data, w.fmt, w.in_features), dense)
     assert torch.equal(w.dequantize(), dense)  # the kernel where it is built
 
 
@@ -137,11 +139,11 @@ def test_kernel_rejects_a_mismatched_weight(arith: str) -> None:
     linear = op(ARITHMETICS[arith])
     w, _ = make_weight("Q4_0", 8, 64, seed=5)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        linear(torch.randn(1, 64), w.data, quant.Q4_1.ggml_type, 64, None)
+        linear(torch.randn(1, 64), w.data, Q4_1.ggml_type, 64, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         linear(torch.randn(1, 48), w.data[:, :27].contiguous(), w.fmt.ggml_type, 48, None)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        linear(torch.randn(1, 64), w.data, 12, 64, None)
+        linear(torch.randn(1, 64), w.data, 10, 64, None)  # Q2_K
     with pytest.raises(RuntimeError, match="features, expected"):
         linear(torch.randn(1, 96), w.data, w.fmt.ggml_type, 64, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tandem.model.block_formats import Q4_1, Q8_0
 from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_bytes
 from tandem.model.loader import ModelLoadError, load_model, resolve_quantization
 from tandem.model.packed_linear import packing_supported
-from tandem.model.quant import Q4_1, Q8_0, QuantizedWeight
+from tandem.model.quant import QuantizedWeight
 from tandem.model.scoring import agreed_prefix, perplexity
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",

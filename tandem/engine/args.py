@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
     p.add_argument("--quantization", default=ModelConfig.quantization, choices=QUANTIZATION_CHOICES,
-                   help="gguf: a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored (4-8 bits a weight), activations "
+                   help="gguf: a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights as stored (4.5-8.5 bits a "
+                        "weight; other types are dequantized), activations "
                         "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
                         "dequantize to --dtype; auto: gguf, or none where --dtype is bfloat16 computed natively "
                         "(faster there, measured). A model directory is dense either way")

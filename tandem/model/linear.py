@@ -6,8 +6,9 @@ model is built with every layer in its final form: no module is swapped after lo
   dense       a [out, in] weight in the model's dtype, F.linear
   packed-bf16 the same weight packed once for oneDNN (and small_batch_linear's panels) on CPUs with
               native bf16 (model/packed_linear.py)
-  gguf        ggml blocks as stored in the file (Q4_0, Q4_1, Q8_0), model/quant.py's kernels, with
-              activations in float (gguf) or rounded to int8 per block (gguf-q8, llama.cpp's)
+  gguf        ggml blocks as stored in the file (model/block_formats.py: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+              Q5_K, Q6_K), model/quant.py's kernels, with activations in float (gguf) or rounded to
+              int8 per block of 32 (gguf-q8, llama.cpp's)
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.model.block_formats import BlockFormat
 from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
-from tandem.model.quant import BlockFormat, QuantizedWeight, cat_rows, gemm_rows, quantized_linear
+from tandem.model.quant import QuantizedWeight, cat_rows, gemm_rows, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,8 @@ class GGUFMethod(LinearMethod):
         return f"gguf-{self.fmt.name}" + ("-a8" if self.int8_activations else "")
 
     def create(self, layer: Linear) -> None:
-        row_bytes = layer.in_features // 32 * self.fmt.block_bytes
-        layer.register_buffer("qdata", torch.empty(layer.out_features, row_bytes, dtype=torch.uint8))
+        layer.register_buffer("qdata", torch.empty(layer.out_features, self.fmt.row_bytes(layer.in_features),
+                                                   dtype=torch.uint8))
 
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
         if not all(isinstance(p, QuantizedWeight) and p.fmt == self.fmt for p in parts):

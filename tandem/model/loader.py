@@ -20,12 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tandem.config import QUANTIZATION_CHOICES
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig
+from tandem.model.block_formats import native_format
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.gguf_index import GgufError, IndexedTensor, read_gguf
 from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weight_formats
 from tandem.model.packed_linear import packing_supported
-from tandem.model.quant import QuantizedWeight, native_format
+from tandem.model.quant import QuantizedWeight
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
 from tandem.model_path import DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelLoadError, resolve_model_path
 from tandem.tokenizer import load_tokenizer
@@ -82,8 +83,9 @@ def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
 
 
 def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchConfig, dict[str, Weight]]:
-    """keep_quantized: Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks (QuantizedWeight); everything
-    else, and everything when False, is dequantized to float32."""
+    """keep_quantized: matrices in a format served as stored (block_formats.NATIVE_FORMATS: Q4_0, Q4_1,
+    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks (QuantizedWeight); everything else, and
+    everything when False, is dequantized to float32."""
     import gguf
 
     tensors, meta = _read_gguf(path)
@@ -165,10 +167,10 @@ def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.de
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
                quantization: str = "gguf") -> LoadedModel:
-    """quantization: "gguf" serves a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored (activations in
-    float), "gguf-q8" the same with int8 activations, "none" dequantizes everything to dtype, "auto"
-    is gguf unless dtype's dense path is native bfloat16 (resolve_quantization). A directory's
-    safetensors are dense whichever is chosen."""
+    """quantization: "gguf" serves a GGUF file's weights as stored where their format has kernels
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; activations in float), "gguf-q8" the same with int8
+    activations, "none" dequantizes everything to dtype, "auto" is gguf unless dtype's dense path is
+    native bfloat16 (resolve_quantization). A directory's safetensors are dense whichever is chosen."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     quantization = resolve_quantization(quantization, dtype, torch.device(device))

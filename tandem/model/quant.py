@@ -1,6 +1,7 @@
-"""GGUF block-quantized weights held as stored (Q4_0, Q4_1, Q8_0), and the products that read them.
+"""GGUF block-quantized weights held as stored (model/block_formats.py: Q4_0, Q4_1, Q5_0, Q8_0 and the
+K-quants Q4_K, Q5_K, Q6_K), and the products that read them.
 
-A QuantizedWeight is a checkpoint tensor's rows of ggml blocks (32 weights along K each), untouched.
+A QuantizedWeight is a checkpoint tensor's rows of ggml blocks (32 or 256 weights along K each), untouched.
 Rows are independent, so the loader fuses q/k/v (and gate/up) and undoes llama.cpp's rotary row
 permutation on the blocks themselves.
 
@@ -10,8 +11,8 @@ Two arithmetics multiply by them:
                    FMAs (tandem/ops/quant_linear.cpp): F.linear(x, dequantized W) up to summation
                    order, so the dequantized model is its reference.
   int8             llama.cpp's: x is quantized to int8 per block of 32 (q8_roundtrip gives the values
-                   that stand for it) and each block's dot product is exact in integers, scaled once
-                   (tandem/ops/quant_linear_q8.cpp). Rounding x is discontinuous: a one-ulp
+                   that stand for it) and each dot product of 32 weights is exact in integers, scaled
+                   once (tandem/ops/quant_linear_q8.cpp). Rounding x is discontinuous: a one-ulp
                    difference upstream (another batch shape's GEMM) can flip a value and, in time, a
                    greedy token, so it is opt-in.
 
@@ -31,28 +32,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem.model.block_formats import BlockFormat, torch_dequantize
 from tandem.ops import extension
 
-BLOCK = 32
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    name: str
-    ggml_type: int  # gguf.GGMLQuantizationType's value
-    block_bytes: int
-    bits_per_weight: float
-
-
-Q4_0 = BlockFormat("Q4_0", 2, 18, 4.5)
-Q4_1 = BlockFormat("Q4_1", 3, 20, 5.0)
-Q8_0 = BlockFormat("Q8_0", 8, 34, 8.5)
-NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
-
-
-def native_format(ggml_type: int) -> BlockFormat | None:
-    """The format if Tensors of this ggml type can be served as stored, else None (dequantize them)."""
-    return NATIVE_FORMATS.get(int(ggml_type))
+X_BLOCK = 32  # the int8 activations' block
 
 
 @dataclass
@@ -89,25 +72,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 # -- PyTorch fallbacks (any device) -----------------------------------------------------------------
 
-def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()
-
-
-def _torch_dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
-    blocks = data.view(data.shape[0], in_features // BLOCK, fmt.block_bytes)
-    d = _half(blocks, 0)
-    if fmt == Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        m = torch.zeros_like(d)
-    else:
-        qs = blocks[..., 4:] if fmt == Q4_1 else blocks[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # low nibbles are weights 0-15, high ones 16-31
-        m = _half(blocks, 2) if fmt == Q4_1 else -8.0 * d
-    return (d * q + m).reshape(data.shape[0], in_features)
-
-
 def _torch_q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // X_BLOCK, X_BLOCK)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     return (scale * torch.round(blocks * inv)).reshape(x.shape)
@@ -121,7 +87,7 @@ def dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.
     """float32 [out_features, in_features]."""
     if _kernel(data):
         return torch.ops.tandem.gguf_dequantize(data, fmt.ggml_type, in_features)
-    return _torch_dequantize(data, fmt, in_features)
+    return torch_dequantize(data, fmt, in_features)
 
 
 def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:

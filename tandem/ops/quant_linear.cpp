@@ -1,20 +1,21 @@
 // Linear layers on GGUF block-quantized weights read as stored, activations kept in float:
-// y = x W^T (+ b) with W in Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h).
+// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K blocks (gguf_blocks.h).
 //
-// A decode step reads every weight once, so the bytes of W are its cost: Q4_1 holds 32 weights in 20
-// bytes (5 bits a weight) where float32 takes 128. Each block is dequantized in registers exactly as
-// gguf_dequantize writes it (d * q, then + m: two roundings, no FMA) and meets x in float32 FMAs, so
-// the product is F.linear(x, dequantized W) up to summation order: as continuous in x as the dense
-// path, with no activation rounding for a kernel's one-ulp differences upstream to amplify (the
-// int8-activation path, quant_linear_q8.cpp, has that hazard).
+// A decode step reads every weight once, so the bytes of W are its cost: Q4_K holds 256 weights in 144
+// bytes (4.5 bits a weight) where float32 takes 1,024. Each chunk of 32 weights is dequantized in
+// registers exactly as gguf_dequantize writes it (d * q, then + m: two roundings, no FMA) and meets x
+// in float32 FMAs, so the product is F.linear(x, dequantized W) up to summation order: as continuous
+// in x as the dense path, with no activation rounding for a kernel's one-ulp differences upstream to
+// amplify (the int8-activation path, quant_linear_q8.cpp, has that hazard).
 //
-// Each output's sums run in one order whatever the batch and the threads (K in blocks, each block's
-// halves into two accumulators): a request's tokens get bit-identical values in a prompt chunk and
-// in a decode batch of any size.
+// Each output's sums run in one order whatever the batch and the threads (K in chunks of 32, each
+// chunk's halves into two accumulators): a request's tokens get bit-identical values in a prompt
+// chunk and in a decode batch of any size.
 //
 // Tiles of NR weight rows x MR activation rows keep 2 * MR * NR accumulators in registers; a weight
-// block is dequantized once per tile and used by every row of it, and W streams from memory once per
-// call (prefetched a few tiles ahead). Threads split the weight rows.
+// chunk is dequantized once per tile and used by every row of it (a block's scales once per block),
+// and W streams from memory once per call (prefetched a few tiles ahead). Threads split the weight
+// rows.
 //
 // gguf_dequantize (float32 [N, K]) lets a caller with many rows use one GEMM instead
 // (tandem/model/quant.py chooses).
@@ -35,7 +36,7 @@ namespace {
 using namespace gguf;
 
 #if defined(__AVX512F__)
-// A block's 32 weights as two vectors of 16 (weights 0-15, 16-31).
+// A chunk's 32 weights as two vectors of 16 (weights 0-15, 16-31: the halves of its scales).
 constexpr int kParts = 2;
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
@@ -45,22 +46,17 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec a, Vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 template <int64_t QT>
-inline void block_weights(const WeightBlock& wb, Vec (&v)[kParts]) {
-  __m512i q[2];
-  if constexpr (QT == kQ8_0) {
-    q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs)));
-    q[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs + 16)));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    q[0] = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nibble));
-    q[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+inline void chunk_weights(const uint8_t* b, const Scales<QT>& s, int c, Vec (&v)[kParts]) {
+  const __m256i q = chunk_quants<QT>(b, c);
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int p = 0; p < 2; ++p) {
+    const __m512i ints = kSignedQuants<QT> ? _mm512_cvtepi8_epi32(half[p]) : _mm512_cvtepu8_epi32(half[p]);
+    v[p] = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[c][p]), _mm512_cvtepi32_ps(ints)),
+                         _mm512_set1_ps(s.m[c][p]));
   }
-  const Vec d = _mm512_set1_ps(wb.d), m = _mm512_set1_ps(wb.m);
-  for (int p = 0; p < 2; ++p) v[p] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q[p])), m);
 }
 #elif defined(TANDEM_QUANT_AVX2)
-// A block's 32 weights as four vectors of 8.
+// A chunk's 32 weights as four vectors of 8 (two per half of its scales).
 constexpr int kParts = 4;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -76,50 +72,46 @@ inline float vsum(Vec a, Vec b) {
 }
 
 template <int64_t QT>
-inline void block_weights(const WeightBlock& wb, Vec (&v)[kParts]) {
-  __m128i bytes[2];  // weights 0-15 and 16-31
-  if constexpr (QT == kQ8_0) {
-    bytes[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs));
-    bytes[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs + 16));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.qs));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    bytes[0] = _mm_and_si128(raw, nibble);
-    bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-  }
-  const Vec d = _mm256_set1_ps(wb.d), m = _mm256_set1_ps(wb.m);
+inline void chunk_weights(const uint8_t* b, const Scales<QT>& s, int c, Vec (&v)[kParts]) {
+  const __m256i q = chunk_quants<QT>(b, c);
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
   for (int p = 0; p < 4; ++p) {
-    const __m128i eight = p % 2 ? _mm_srli_si128(bytes[p / 2], 8) : bytes[p / 2];
-    const __m256i ints = QT == kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-    v[p] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(ints)), m);
+    const __m128i eight = p % 2 ? _mm_srli_si128(half[p / 2], 8) : half[p / 2];
+    const __m256i ints = kSignedQuants<QT> ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    v[p] = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s.d[c][p / 2]), _mm256_cvtepi32_ps(ints)),
+                         _mm256_set1_ps(s.m[c][p / 2]));
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(TANDEM_QUANT_AVX2)
-constexpr int kLanes = kBlock / kParts;
+constexpr int kLanes = kChunk / kParts;
 
 // out[i][j] = row (m0 + i) of x . weight row (n0 + j), for MR rows and NR weight rows. Each output
-// sums a block's first half into lo and its second half into hi (independent chains for the FMAs).
+// sums a chunk's first half into lo and its second half into hi (independent chains for the FMAs).
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t m0, int64_t n0, float* y,
           int64_t N) {
-  constexpr int64_t bb = kBlockBytes<QT>;
+  constexpr int64_t bb = kBlockBytes<QT>, bw = kBlockWeights<QT>;
   Vec lo[MR][NR], hi[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = vzero(), hi[i][j] = vzero();
   const uint8_t* ahead = w + (n0 + kPrefetchTiles * NR) * row_bytes;
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64), _MM_HINT_T0);
+  for (int64_t b = 0; b < K / bw; ++b) {
+    for (int l = 0; l < kPrefetchLines<QT, NR>; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64 * l), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
-      Vec wv[kParts];
-      block_weights<QT>(weight_block<QT>(w + (n0 + j) * row_bytes + b * bb), wv);
-      for (int i = 0; i < MR; ++i) {
-        const float* xb = x + (m0 + i) * K + b * kBlock;
-        for (int p = 0; p < kParts; ++p) {
-          Vec& acc = p < kParts / 2 ? lo[i][j] : hi[i][j];
-          acc = vfma(wv[p], vload(xb + p * kLanes), acc);
+      const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
+      const Scales<QT> s = block_scales<QT>(block);
+      for (int c = 0; c < kChunks<QT>; ++c) {
+        Vec wv[kParts];
+        chunk_weights<QT>(block, s, c, wv);
+        for (int i = 0; i < MR; ++i) {
+          const float* xc = x + (m0 + i) * K + b * bw + c * kChunk;
+          for (int p = 0; p < kParts; ++p) {
+            Vec& acc = p < kParts / 2 ? lo[i][j] : hi[i][j];
+            acc = vfma(wv[p], vload(xc + p * kLanes), acc);
+          }
         }
       }
     }
@@ -132,17 +124,19 @@ void tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t m0, int64_t n0, float* y,
           int64_t N) {
-  constexpr int64_t bb = kBlockBytes<QT>;
+  constexpr int64_t bb = kBlockBytes<QT>, bw = kBlockWeights<QT>;
   for (int i = 0; i < MR; ++i) {
     const float* xr = x + (m0 + i) * K;
     for (int j = 0; j < NR; ++j) {
       float total = 0.0f;
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const WeightBlock wb = weight_block<QT>(w + (n0 + j) * row_bytes + b * bb);
-        for (int64_t k = 0; k < kBlock; ++k) {
-          const float wk = wb.d * static_cast<float>(quant_at<QT>(wb.qs, k)) + wb.m;
-          total += wk * xr[b * kBlock + k];
-        }
+      for (int64_t b = 0; b < K / bw; ++b) {
+        const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
+        const Scales<QT> s = block_scales<QT>(block);
+        for (int c = 0; c < kChunks<QT>; ++c)
+          for (int64_t k = 0; k < kChunk; ++k) {
+            const float wk = s.d[c][k / 16] * static_cast<float>(chunk_quant<QT>(block, c, k)) + s.m[c][k / 16];
+            total += wk * xr[b * bw + c * kChunk + k];
+          }
       }
       y[(m0 + i) * N + n0 + j] = total;
     }
@@ -168,30 +162,29 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    switch (qtype) {
-      case kQ4_0: linear_rows<kQ4_0>(wp, w.size(1), xp, M, K, N, yp); break;
-      case kQ4_1: linear_rows<kQ4_1>(wp, w.size(1), xp, M, K, N, yp); break;
-      case kQ8_0: linear_rows<kQ8_0>(wp, w.size(1), xp, M, K, N, yp); break;
-      default: TORCH_CHECK(false, "gguf_linear: unsupported ggml type ", qtype);
-    }
+    with_format(qtype, "gguf_linear", [&](auto qt) { linear_rows<decltype(qt)::value>(wp, w.size(1), xp, M, K, N, yp); });
   }
   return finish_output(y, x_in, bias);
 }
 
 template <int64_t QT>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* out) {
-  constexpr int64_t bb = kBlockBytes<QT>;
+  constexpr int64_t bb = kBlockBytes<QT>, bw = kBlockWeights<QT>;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-      const WeightBlock wb = weight_block<QT>(w + n * row_bytes + b * bb);
-      float* o = out + n * K + b * kBlock;
+    for (int64_t b = 0; b < K / bw; ++b) {
+      const uint8_t* block = w + n * row_bytes + b * bb;
+      const Scales<QT> s = block_scales<QT>(block);
+      for (int c = 0; c < kChunks<QT>; ++c) {
+        float* o = out + n * K + b * bw + c * kChunk;
 #if defined(__AVX512F__) || defined(TANDEM_QUANT_AVX2)
-      Vec wv[kParts];
-      block_weights<QT>(wb, wv);
-      for (int p = 0; p < kParts; ++p) vstore(o + p * kLanes, wv[p]);
+        Vec wv[kParts];
+        chunk_weights<QT>(block, s, c, wv);
+        for (int p = 0; p < kParts; ++p) vstore(o + p * kLanes, wv[p]);
 #else
-      for (int64_t k = 0; k < kBlock; ++k) o[k] = wb.d * static_cast<float>(quant_at<QT>(wb.qs, k)) + wb.m;
+        for (int64_t k = 0; k < kChunk; ++k)
+          o[k] = s.d[c][k / 16] * static_cast<float>(chunk_quant<QT>(block, c, k)) + s.m[c][k / 16];
 #endif
+      }
     }
   }
 }
@@ -207,11 +200,9 @@ void gguf_dequantize_into(at::Tensor& out, const at::Tensor& w, int64_t qtype, i
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    switch (qtype) {
-      case kQ4_0: dequantize_rows<kQ4_0>(wp, w.size(1), in_features, n0, n1, op); break;
-      case kQ4_1: dequantize_rows<kQ4_1>(wp, w.size(1), in_features, n0, n1, op); break;
-      default: dequantize_rows<kQ8_0>(wp, w.size(1), in_features, n0, n1, op); break;
-    }
+    with_format(qtype, "gguf_dequantize_into", [&](auto qt) {
+      dequantize_rows<decltype(qt)::value>(wp, w.size(1), in_features, n0, n1, op);
+    });
   });
 }
 

@@ -1,13 +1,14 @@
 // Linear layers on GGUF block-quantized weights with int8 activations, llama.cpp's arithmetic:
-// y = x W^T (+ b) with W in Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h).
+// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K blocks (gguf_blocks.h).
 //
 // The activations are quantized to int8 per block of 32 (a scale d and the scaled sum s = d * sum(q),
 // ggml's Q8_1), and each block's dot product is an exact integer sum: 32 u8 x s8 products in one
 // vpmaddubsw, pairs added by vpmaddwd (or both in one vpdpbusd with AVX512-VNNI; no int16 pair sum
 // saturates: each is at most 2 * 127 * 127), then scaled once per block in float32:
-//   Q4_1  w = dw * q + mw, q in [0, 15]     dot = dw * dx * sum(q * qx) + mw * sx
-//   Q4_0  w = dw * (q - 8)                  the same with mw = -8 dw
-//   Q8_0  w = dw * q, q in [-127, 127]      dot = dw * dx * sum(|q| * sign(qx, q))
+//   unsigned q (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K)   w = dw * q + mw        dot = dw * dx * sum(q * qx) + mw * sx
+//   signed q (Q8_0, Q6_K: q - 32)               w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
+// per chunk of 32 weights (gguf_blocks.h), which is one block of x; Q6_K's halves scale their own
+// sums (a scale per 16 weights).
 // Each output is the same function of its row of x whatever the batch. But rounding x to int8 is
 // discontinuous: a one-ulp difference in x (another kernel's summation order upstream) can move a
 // value to the next integer, so this path is opt-in (--quantization gguf-q8); quant_linear.cpp keeps
@@ -46,17 +47,17 @@ struct QuantizedRows {
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const T* xb = x + b * kBlock;
+  for (int64_t b = 0; b < K / kChunk; ++b) {
+    const T* xb = x + b * kChunk;
     float amax = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+    for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
     const float scale = amax / 127.0f;
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
+    for (int64_t i = 0; i < kChunk; ++i) {
       // nearbyint rounds half to even, as torch.round does in the fallback.
       const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(xb[i]) * inv));
-      q[b * kBlock + i] = static_cast<int8_t>(v);
+      q[b * kChunk + i] = static_cast<int8_t>(v);
       sum += v;
     }
     d[b] = scale;
@@ -67,7 +68,7 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows r;
-  r.nb = K / kBlock;
+  r.nb = K / kChunk;
   r.q.resize(M * K);
   r.d.resize(M * r.nb);
   r.s.resize(M * r.nb);
@@ -94,22 +95,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// A weight block's 32 quants as bytes in K order: nibbles (low ones are weights 0-15, high ones 16-31)
-// or, for Q8_0, the magnitudes (signs move onto the activations).
+// A chunk's 32 quants as the unsigned bytes of the products: the quants or, for signed formats, their
+// magnitudes (signs move onto the activations).
 template <int64_t QT>
-inline __m256i weight_bytes(const uint8_t* qs) {
-  if constexpr (QT == kQ8_0) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    return _mm256_sign_epi8(v, v);
-  }
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+inline __m256i weight_bytes(__m256i q) {
+  if constexpr (kSignedQuants<QT>) return _mm256_sign_epi8(q, q);
+  return q;
 }
 
 template <int64_t QT>
-inline __m256 block_dot(__m256i w, const uint8_t* qs, const int8_t* qx, __m256i ones) {
+inline __m256 chunk_dot(__m256i w, __m256i q, const int8_t* qx, __m256i ones) {
   __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
-  if constexpr (QT == kQ8_0) x = _mm256_sign_epi8(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+  if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, q);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   (void)ones;  // vpdpbusd: the four u8 x s8 products of each lane summed in one instruction
   return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
@@ -118,10 +115,18 @@ inline __m256 block_dot(__m256i w, const uint8_t* qs, const int8_t* qx, __m256i 
 #endif
 }
 
+// A chunk's scale times x's, for each lane of chunk_dot (lanes 0-3 sum weights 0-15, lanes 4-7 16-31).
+template <int64_t QT>
+inline __m256 chunk_scale(const Scales<QT>& s, int c, float dx) {
+  if constexpr (kHalfScales<QT>) return _mm256_set_m128(_mm_set1_ps(s.d[c][1] * dx), _mm_set1_ps(s.d[c][0] * dx));
+  return _mm256_set1_ps(s.d[c][0] * dx);
+}
+
 // out[i][j] = row (m0 + i) of x . weight row (n0 + j), for MR rows and NR weight rows.
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
           float* y, int64_t N) {
+  static_assert(kSignedQuants<QT> || !kHalfScales<QT>, "an offset per half would need x's sums per half");
   constexpr int64_t bb = kBlockBytes<QT>;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][NR];
@@ -130,19 +135,24 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
   const int64_t nb = a.nb;
   // The weights stream from memory once per call: ask for the next tiles' bytes while this one
-  // computes (its rows are contiguous, NR * row_bytes), a little more than one line per block.
+  // computes (its rows are contiguous, NR * row_bytes).
   const uint8_t* ahead = w + (n0 + kPrefetchTiles * NR) * row_bytes;
-  for (int64_t b = 0; b < nb; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64), _MM_HINT_T0);
+  for (int64_t b = 0; b < K / kBlockWeights<QT>; ++b) {
+    for (int l = 0; l < kPrefetchLines<QT, NR>; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64 * l), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
-      const WeightBlock wb = weight_block<QT>(w + (n0 + j) * row_bytes + b * bb);
-      const __m256i wq = weight_bytes<QT>(wb.qs);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t row = m0 + i;
-        const __m256 dot = block_dot<QT>(wq, wb.qs, a.q.data() + row * K + b * kBlock, ones);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * a.d[row * nb + b]), dot, acc[i][j]);
-        if constexpr (QT != kQ8_0) mins[i][j] += wb.m * a.s[row * nb + b];
+      const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
+      const Scales<QT> s = block_scales<QT>(block);
+      for (int c = 0; c < kChunks<QT>; ++c) {
+        const __m256i q = chunk_quants<QT>(block, c);
+        const __m256i wq = weight_bytes<QT>(q);
+        const int64_t xb = b * kChunks<QT> + c;  // x's block of 32
+        for (int i = 0; i < MR; ++i) {
+          const int64_t row = m0 + i;
+          const __m256 dot = chunk_dot<QT>(wq, q, a.q.data() + row * K + xb * kChunk, ones);
+          acc[i][j] = _mm256_fmadd_ps(chunk_scale<QT>(s, c, a.d[row * nb + xb]), dot, acc[i][j]);
+          if constexpr (!kSignedQuants<QT>) mins[i][j] += s.m[c][0] * a.s[row * nb + xb];
+        }
       }
     }
   }
@@ -159,14 +169,20 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
     const int64_t row = m0 + i;
     for (int j = 0; j < NR; ++j) {
       float total = 0.0f;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const WeightBlock wb = weight_block<QT>(w + (n0 + j) * row_bytes + b * bb);
-        const int8_t* qx = a.q.data() + row * K + b * kBlock;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < kBlock; ++k) {
-          sum += quant_at<QT>(wb.qs, k) * qx[k];
+      for (int64_t b = 0; b < K / kBlockWeights<QT>; ++b) {
+        const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
+        const Scales<QT> s = block_scales<QT>(block);
+        for (int c = 0; c < kChunks<QT>; ++c) {
+          const int64_t xb = row * a.nb + b * kChunks<QT> + c;
+          const int8_t* qx = a.q.data() + xb * kChunk;
+          int32_t sum[2] = {0, 0};  // each half's
+          for (int64_t k = 0; k < kChunk; ++k) sum[k / 16] += chunk_quant<QT>(block, c, k) * qx[k];
+          if constexpr (kHalfScales<QT>) {
+            total += s.d[c][0] * a.d[xb] * static_cast<float>(sum[0]) + s.d[c][1] * a.d[xb] * static_cast<float>(sum[1]);
+          } else {
+            total += s.d[c][0] * a.d[xb] * static_cast<float>(sum[0] + sum[1]) + s.m[c][0] * a.s[xb];
+          }
         }
-        total += wb.d * a.d[row * a.nb + b] * static_cast<float>(sum) + wb.m * a.s[row * a.nb + b];
       }
       y[row * N + n0 + j] = total;
     }
@@ -192,12 +208,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
     const QuantizedRows a = quantize_rows(x);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    switch (qtype) {
-      case kQ4_0: linear_rows<kQ4_0>(wp, w.size(1), a, M, K, N, yp); break;
-      case kQ4_1: linear_rows<kQ4_1>(wp, w.size(1), a, M, K, N, yp); break;
-      case kQ8_0: linear_rows<kQ8_0>(wp, w.size(1), a, M, K, N, yp); break;
-      default: TORCH_CHECK(false, "gguf_linear_q8: unsupported ggml type ", qtype);
-    }
+    with_format(qtype, "gguf_linear_q8", [&](auto qt) { linear_rows<decltype(qt)::value>(wp, w.size(1), a, M, K, N, yp); });
   }
   return finish_output(y, x_in, bias);
 }
@@ -206,7 +217,7 @@ at::Tensor q8_roundtrip(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "q8_roundtrip: x must be float32 or bfloat16 on the CPU");
   const int64_t K = x_in.size(-1);
-  TORCH_CHECK(K % kBlock == 0, "q8_roundtrip: the last dimension must be a multiple of 32, got ", K);
+  TORCH_CHECK(K % kChunk == 0, "q8_roundtrip: the last dimension must be a multiple of 32, got ", K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
@@ -215,7 +226,7 @@ at::Tensor q8_roundtrip(const at::Tensor& x_in) {
     float* op = out.data_ptr<float>();
     at::parallel_for(0, M * a.nb, 256, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        for (int64_t k = 0; k < kBlock; ++k) op[b * kBlock + k] = a.d[b] * static_cast<float>(a.q[b * kBlock + k]);
+        for (int64_t k = 0; k < kChunk; ++k) op[b * kChunk + k] = a.d[b] * static_cast<float>(a.q[b * kChunk + k]);
     });
   }
   return out.view(x_in.sizes());
