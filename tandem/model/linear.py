@@ -187,11 +187,13 @@ def weight_formats(model: nn.Module) -> tuple[str, ...]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds, packed copies included (they are buffers of the packed
-    submodules); each storage once, so a tied head is counted once; the rotary tables are not weights."""
+    """Bytes of every weight the model holds: its parameters and the linear layers' buffers (ggml blocks,
+    packed copies in their submodules); each storage once, so a tied head is counted once. Other buffers
+    are computed tables, not weights (the rotary cos/sin, Gemma 3's local table too)."""
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]:
+    buffers = [b for m in model.modules() if isinstance(m, Linear) for b in m.buffers()]
+    for t in [*model.parameters(), *buffers]:
         if t.is_mkldnn:  # oneDNN's packed layout: an opaque tensor of its own, with no storage to share
             total += t.numel() * t.element_size()
             continue
