@@ -2,10 +2,10 @@
 
 A row of a weight is blocks along K: 32 weights each (Q4_0, Q4_1, Q5_0, Q8_0), or a K-quant
 super-block of 256 (Q4_K, Q5_K, Q6_K: eight sub-blocks of 32, each with its own scale). Every format
-reads the same way (as the kernels read it, tandem/ops/gguf_blocks.h): each group of 16 weights is
-w = d * q + m with its own d and m, q an integer decoded from the block's bits. The values are
-gguf-py's to the bit: each d * q is exact in float32 and only the K-quants' + m rounds, once, as
-gguf-py's d * q - dm does.
+reads the same way (as the kernels read it, tandem/ops/gguf_blocks.h): each group of weights is
+w = d * q + m with its own d and m (a block of 32, a sub-block, or Q6_K's 16 weights), q an integer
+decoded from the block's bits. The values are gguf-py's to the bit: each d * q is exact in float32
+and only the K-quants' + m rounds, once, as gguf-py's d * q - dm does.
 
 The PyTorch decoding here is the fallback wherever the compiled kernels do not run (another device,
 TANDEM_DISABLE_KERNELS=1), and the tests' second opinion on the kernels.
@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-GROUP = 16  # weights that share a d and an m (Q6_K's scale group; the others' two halves share theirs)
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,8 @@ def native_format(ggml_type: int) -> BlockFormat | None:
     return NATIVE_FORMATS.get(int(ggml_type))
 
 
-# -- decoding: blocks [n, block_bytes] uint8 -> (q [n, weights], d and m [n, weights / GROUP]) -------
+# -- decoding: blocks [n, block_bytes] uint8 -> q [n, weights] and d, m [n, scales] --------------------
+# (one scale for a block of 32; eight, one a sub-block, for Q4_K and Q5_K; sixteen for Q6_K)
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -78,13 +77,8 @@ def _bits(qh: torch.Tensor, run: int, width: int) -> torch.Tensor:
     return ((runs >> shifts) & ((1 << width) - 1)).reshape(qh.shape[0], -1)
 
 
-def _per_group(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[n, s] scales of s sub-blocks as [n, groups]: each repeated over its sub-block's groups."""
-    return x.repeat_interleave(groups // x.shape[1], dim=1)
-
-
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: d and m of each 16-weight group, from the fp16 d and dmin and the 6-bit scales
+    """Q4_K / Q5_K: d and m of each sub-block, from the fp16 d and dmin and the 6-bit scales
     and mins of the eight sub-blocks, packed in bytes 4-15 (ggml's get_scale_min_k4): bytes 0-3 and
     4-7 of them hold sub-blocks 0-3's scales and mins and, in their top two bits, the top bits of
     sub-blocks 4-7's, whose low four bits are bytes 8-11 (scale low nibble, min high nibble)."""
@@ -92,9 +86,7 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo_s, lo_m, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scale = torch.cat([lo_s & 63, (hi & 0x0F) | ((lo_s >> 6) << 4)], dim=1).float()
     min_ = torch.cat([lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)], dim=1).float()
-    d = _half(blocks, 0) * scale
-    m = -(_half(blocks, 2) * min_)
-    return d, m
+    return _half(blocks, 0) * scale, -(_half(blocks, 2) * min_)
 
 
 def _decode_q4_0(b: torch.Tensor) -> Decoded:
@@ -147,7 +139,5 @@ def torch_dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> 
                          f"not {data.shape[-1]}")
     blocks = data.reshape(rows * (in_features // fmt.block_weights), fmt.block_bytes)
     q, d, m = _DECODERS[fmt](blocks)
-    groups = q.float().reshape(blocks.shape[0], -1, GROUP)
-    d = _per_group(d, groups.shape[1]).unsqueeze(-1)
-    m = _per_group(m, groups.shape[1]).unsqueeze(-1)
-    return (d * groups + m).reshape(rows, in_features)
+    groups = q.float().reshape(blocks.shape[0], d.shape[1], -1)  # the weights each d and m scale
+    return (d.unsqueeze(-1) * groups + m.unsqueeze(-1)).reshape(rows, in_features)
