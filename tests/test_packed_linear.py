@@ -58,11 +58,12 @@ small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batc
 
 @small_batch
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33, 100])
 @pytest.mark.parametrize("out_features", [150, 64])
 def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_features: int) -> None:
     # out_features 150: the last 32-column panel is partly padding, which must not reach the output.
-    # Rows 1-2 take the dpbf16 path, more the brgemm one (33: a second brgemm call of one row).
+    # Rows 1-2 take the dpbf16 path, more the brgemm one (33, 100: the last, partial 32 rows from the
+    # zero-padded tail).
     torch.manual_seed(rows * out_features)
     linear = nn.Linear(96, out_features, bias=bias, dtype=torch.bfloat16)
     panels = torch.ops.tandem.pack_linear_weight(linear.weight)

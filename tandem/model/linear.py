@@ -34,12 +34,14 @@ Weight = torch.Tensor | QuantizedWeight
 class NativeLinear:
     """How the native layer stack (ops/layer_stack.cpp) multiplies by a layer's weight: its kind
     (0 dense, 1 small_batch_linear panels, 2 ggml blocks, 3 ggml blocks with int8 activations), the
-    tensor it reads, and the most rows that form serves (0: any)."""
+    tensor it reads, and the most rows that form serves (0: any); past them, wide (oneDNN's packed
+    copy of a panelled weight) serves."""
 
     kind: int
     weight: torch.Tensor
     qtype: int = 0
     max_rows: int = 0
+    wide: torch.Tensor | None = None
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -82,8 +84,10 @@ class PackedBf16Method(LinearMethod):
         return layer.packed(x)
 
     def native_form(self, layer: Linear) -> NativeLinear | None:
-        panels = layer.packed.panels
-        return None if panels is None else NativeLinear(1, panels, max_rows=SMALL_BATCH_ROWS)
+        packed = layer.packed
+        if packed.panels is None:
+            return None
+        return NativeLinear(1, packed.panels, max_rows=SMALL_BATCH_ROWS, wide=packed.packed_weight)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def build_layer_stack(model: Any) -> Any | None:
                 return None
             bias = linear.bias if linear.bias is not None else none
             stack.add_linear(form.kind, form.weight, bias, linear.out_features, linear.in_features, form.qtype,
-                             form.max_rows)
+                             form.max_rows, form.wide)
     return stack
 
 

@@ -10,7 +10,8 @@
 // The stack is built once, after loading, as a torch custom class holding the weights (no copies:
 // the same tensors the modules hold). Each linear is one of the forms model/linear.py plans:
 //   kDense   a [out, in] weight, at::linear
-//   kPanels  a bf16 weight packed into small_batch_linear's panels (up to max_rows rows)
+//   kPanels  a bf16 weight packed into small_batch_linear's panels, up to its rows; past them the
+//            same weight packed for oneDNN (PackedLinear's two copies), mkldnn::_linear_pointwise
 //   kGguf    ggml blocks as stored, gguf_linear or gguf_linear_q8 (up to max_rows rows)
 // A step whose rows exceed a linear's max_rows, or that the kernels cannot serve, is left to the
 // Python path by the caller (LayerStack.max_rows).
@@ -54,6 +55,16 @@ enum LinearKind : int64_t { kDense = 0, kPanels = 1, kGguf = 2, kGgufQ8 = 3 };
 
 using GgufOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&);
 
+// PackedLinear's oneDNN product (torch.ops.mkldnn._linear_pointwise), boxed: its schema's list of
+// optional scalars has no stable unboxed C++ type across torch versions.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 c10::TypedOperatorHandle<GgufOp> gguf_op(bool int8_activations) {
   // The quantized kernels live in their own translation units' anonymous namespaces: reached
   // through the dispatcher (a lookup once, ~1 us a call).
@@ -67,11 +78,16 @@ struct LinearW {
   at::Tensor weight;  // dense [out, in], panels, or the blocks [out, row bytes]
   std::optional<at::Tensor> bias;
   int64_t out_features = 0, in_features = 0, qtype = 0;
-  int64_t max_rows = std::numeric_limits<int64_t>::max();
+  int64_t max_rows = std::numeric_limits<int64_t>::max();  // of this form (panels: of the panels)
+  std::optional<at::Tensor> wide;  // kPanels: oneDNN's packed copy, for more rows than the panels'
+
+  int64_t rows_served() const { return wide ? std::numeric_limits<int64_t>::max() : max_rows; }
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case kPanels: return small_batch_linear(x, weight, bias, out_features);
+      case kPanels:
+        return x.size(0) <= max_rows || !wide ? small_batch_linear(x, weight, bias, out_features)
+                                              : onednn_linear(x, *wide, bias);
       case kGguf:
       case kGgufQ8: {
         static const auto f = gguf_op(false), q8 = gguf_op(true);
@@ -110,14 +126,15 @@ class LayerStack : public torch::CustomClassHolder {
   }
 
   // The next of the last layer's linears, in the order qkv, o, gate_up, down; bias: empty for none;
-  // max_rows: the most rows this form serves (0: any).
+  // max_rows: the most rows this form serves (0: any); wide: kPanels' oneDNN copy (None: none).
   void add_linear(int64_t kind, const at::Tensor& weight, const at::Tensor& bias, int64_t out_features,
-                  int64_t in_features, int64_t qtype, int64_t max_rows) {
+                  int64_t in_features, int64_t qtype, int64_t max_rows, const std::optional<at::Tensor>& wide) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "LayerStack: add_layer first");
     TORCH_CHECK(kind >= kDense && kind <= kGgufQ8, "LayerStack: unknown linear kind ", kind);
     LinearW l{kind, weight, given(bias), out_features, in_features, qtype,
-              max_rows > 0 ? max_rows : std::numeric_limits<int64_t>::max()};
-    max_rows_ = std::min(max_rows_, l.max_rows);
+              max_rows > 0 ? max_rows : std::numeric_limits<int64_t>::max(),
+              kind == kPanels ? wide : std::nullopt};
+    max_rows_ = std::min(max_rows_, l.rows_served());
     layers_.back().linears.push_back(std::move(l));
   }
 
