@@ -102,6 +102,10 @@ def run_all(server: Server, texts: list[str], max_tokens: int = 24, **extra: obj
     return asyncio.run(main())
 
 
+# A short prompt and a long one (chunked prefill, many blocks).
+LOGPROB_PROMPTS = slice(2, 4)
+
+
 def echo_logprobs(server: Server, prompt: str) -> list[tuple[list[str], list[float | None]]]:
     """A log-likelihood request (echo + logprobs: the prompt scored, then 8 greedy tokens), n=2:
     per choice, its tokens (the prompt's and the generated) and their logprobs."""
@@ -113,19 +117,25 @@ def echo_logprobs(server: Server, prompt: str) -> list[tuple[list[str], list[flo
 
 @pytest.fixture(scope="module")
 def colocated_outputs(passages: list[str]) -> dict[str, list]:
+    """What the colocated server answers: greedy twice (the second round from its prefix cache), seeded,
+    and, after those, the log-likelihood requests (LOGPROB_PROMPTS) that the 1P1D deployment must score alike."""
     with running_server(*COMMON) as s:
         texts = prompts(passages)
         return {
             "greedy": run_all(s, texts),
             "again": run_all(s, texts),
             "seeded": run_all(s, texts[:3], temperature=0.9, seed=1234),
+            "logprobs": [echo_logprobs(s, t) for t in texts[LOGPROB_PROMPTS]],
         }
 
 
 @pytest.fixture(scope="module")
 def disagg_server() -> Server:  # noqa: ANN201 (a generator fixture)
-    """One 1P1D deployment (shared-memory transport) for the tests that leave every worker alive."""
-    with running_server(*COMMON, *DISAGG) as s:
+    """One 1P1D deployment (shared-memory transport), shared by the tests in this file that need no other
+    flags. The kill tests kill a worker in it and wait until the router has started it again and the
+    deployment is whole, so the tests after them get a whole deployment too; the heartbeat timeout is
+    theirs (a killed worker is declared dead within seconds)."""
+    with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
         yield s
 
 
@@ -155,12 +165,12 @@ def test_1p1d_greedy_outputs_equal_colocated(transport: str, colocated_outputs: 
         wait_blocks_free(s)
 
 
-def test_1p1d_prompt_logprobs_equal_colocated(passages: list[str], disagg_server: Server) -> None:
+def test_1p1d_prompt_logprobs_equal_colocated(passages: list[str], colocated_outputs: dict,
+                                              disagg_server: Server) -> None:
     """The prefill worker scores the prompt; its logprobs reach the response through the router:
     the same tokens and (float32, greedy) the same logprobs as colocated, with the KV transferred."""
-    texts = prompts(passages)[2:4]  # a short prompt and a long one (chunked prefill, many blocks)
-    with running_server(*COMMON) as colocated:
-        wants = [echo_logprobs(colocated, t) for t in texts]
+    texts = prompts(passages)[LOGPROB_PROMPTS]
+    wants = colocated_outputs["logprobs"]
     s = disagg_server
     transfers, fallbacks = metric_or_zero(s, "kv_transfers", outcome="ok"), metric(s, "router_colocated_fallbacks")
     got = [echo_logprobs(s, t) for t in texts]
@@ -228,63 +238,71 @@ def _wait_health(s: Server, status: str, timeout: float = 120) -> dict:
         time.sleep(0.2)
 
 
-def _still_serving(s: Server, model: str, victim: str) -> None:
+def _deaths_and_restarts(s: Server) -> tuple[float, float]:
+    return metric_or_zero(s, "router_worker_deaths"), metric_or_zero(s, "router_worker_restarts")
+
+
+def _still_serving(s: Server, model: str, victim: str, before: tuple[float, float]) -> None:
+    """``before``: the router's deaths and restarts before the kill (the deployment is shared)."""
+    deaths, restarts = before
     # New requests are served meanwhile (colocated on the survivor while the pair is broken).
     out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
                                                       "max_tokens": 8, "temperature": 0}, timeout=60)
     assert out.status_code == 200 and out.json()["choices"][0]["text"]
-    assert metric(s, "router_worker_deaths") == 1
+    assert metric(s, "router_worker_deaths") == deaths + 1
     # The router starts the dead worker again; once it has joined, the deployment is whole.
     assert _wait_health(s, "ok")["status"] == "ok"
     assert metric(s, "worker_up", worker=victim) == 1
-    assert metric(s, "router_worker_restarts") == 1
+    assert metric(s, "router_worker_restarts") == restarts + 1
     wait_blocks_free(s)
 
 
-def test_kill_the_decode_worker_mid_stream() -> None:
-    with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
-        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
-        results: dict[int, tuple[str, float]] = {}
-        threads = _start_streams(s.url, model, results)
-        time.sleep(4)  # streams are decoding by now
-        os.kill(worker_pid(s, "decode-0"), signal.SIGKILL)
-        killed = time.monotonic()
-        assert _wait_health(s, "degraded", 10)["reasons"] == ["no live decode worker"]
-        for t in threads:
-            t.join(90)
-        # Every stream lived on the decode worker: each gets an error, within seconds.
-        assert len(results) == 3
-        for outcome, when in results.values():
-            assert outcome == "error" and when - killed < 10
-        _still_serving(s, model, "decode-0")
+def test_kill_the_decode_worker_mid_stream(disagg_server: Server) -> None:
+    s = disagg_server
+    before = _deaths_and_restarts(s)
+    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    results: dict[int, tuple[str, float]] = {}
+    threads = _start_streams(s.url, model, results)
+    time.sleep(4)  # streams are decoding by now
+    os.kill(worker_pid(s, "decode-0"), signal.SIGKILL)
+    killed = time.monotonic()
+    assert _wait_health(s, "degraded", 10)["reasons"] == ["no live decode worker"]
+    for t in threads:
+        t.join(90)
+    # Every stream lived on the decode worker: each gets an error, within seconds.
+    assert len(results) == 3
+    for outcome, when in results.values():
+        assert outcome == "error" and when - killed < 10
+    _still_serving(s, model, "decode-0", before)
 
 
-def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str]) -> None:
+def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str], disagg_server: Server) -> None:
     """Streams already decoding carry on untouched; prompts caught mid-prefill have streamed
     nothing, so they are retried on the survivor and succeed."""
-    with running_server(*COMMON, *DISAGG, "--worker-heartbeat-timeout", "3") as s:
-        model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
-        long = " ".join(passages)[:3000]
-        results: dict[int, tuple[str, float]] = {}
-        # 160 tokens outlast the kill (~6 s in) on one core, and the retried prompts slow them further.
-        threads = _start_streams(s.url, model, results, max_tokens=160)
-        time.sleep(4)  # streams are decoding by now
+    s = disagg_server
+    before = _deaths_and_restarts(s)
+    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    long = " ".join(passages)[:3000]
+    results: dict[int, tuple[str, float]] = {}
+    # 160 tokens outlast the kill (~6 s in) on one core, and the retried prompts slow them further.
+    threads = _start_streams(s.url, model, results, max_tokens=160)
+    time.sleep(4)  # streams are decoding by now
 
-        async def prompts_in_flight() -> list[int]:
-            async with httpx.AsyncClient(timeout=120) as c:
-                tasks = [asyncio.create_task(c.post(f"{s.url}/v1/completions", json={
-                    "model": model, "prompt": f"{i} {long}", "max_tokens": 4, "temperature": 0})) for i in range(3)]
-                await asyncio.sleep(1.5)  # prompts of ~700 tokens in 64-token chunks: still prefilling
-                os.kill(worker_pid(s, "prefill-0"), signal.SIGKILL)
-                report = await asyncio.to_thread(_wait_health, s, "degraded", 10)
-                assert report["reasons"] == ["no live prefill worker"]
-                return [(await t).status_code for t in tasks]
+    async def prompts_in_flight() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.create_task(c.post(f"{s.url}/v1/completions", json={
+                "model": model, "prompt": f"{i} {long}", "max_tokens": 4, "temperature": 0})) for i in range(3)]
+            await asyncio.sleep(1.5)  # prompts of ~700 tokens in 64-token chunks: still prefilling
+            os.kill(worker_pid(s, "prefill-0"), signal.SIGKILL)
+            report = await asyncio.to_thread(_wait_health, s, "degraded", 10)
+            assert report["reasons"] == ["no live prefill worker"]
+            return [(await t).status_code for t in tasks]
 
-        assert asyncio.run(prompts_in_flight()) == [200, 200, 200]
-        for t in threads:
-            t.join(90)
-        assert sorted(outcome for outcome, _ in results.values()) == ["done"] * 3
-        _still_serving(s, model, "prefill-0")
+    assert asyncio.run(prompts_in_flight()) == [200, 200, 200]
+    for t in threads:
+        t.join(90)
+    assert sorted(outcome for outcome, _ in results.values()) == ["done"] * 3
+    _still_serving(s, model, "prefill-0", before)
 
 
 def test_abort_storm_leaves_no_blocks(passages: list[str], disagg_server: Server) -> None:
