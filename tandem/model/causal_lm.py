@@ -5,6 +5,7 @@ forward contract the model runner calls (model/llama.py, model/gemma3.py impleme
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata
 from tandem.model.layers import RMSNorm, RotaryEmbedding
 from tandem.model.linear import DENSE, Embedding, Linear, LinearMethod, Weight
+from tandem.model.native_stack import build_layer_stack, run_layer_stack, stack_serves
 
 Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
 
@@ -37,6 +39,31 @@ class CausalLM(nn.Module):
             p.requires_grad_(False)
         # Set by the loader (model/fingerprint.py); a model built by hand is fingerprinted by its weights.
         self.fingerprint: int | None = None
+        # The native layer stack (model/native_stack.py), built on the first forward, once the weights
+        # are in their final form; native_layers = False keeps every step on the Python loop.
+        self.native_layers = True
+        self._stack: Any | None = None
+        self._stack_built = False
+        self.native_steps = 0  # steps the stack served (tests and benchmarks read it)
+
+    def layer_stack(self) -> Any | None:
+        if not self.native_layers:
+            return None
+        if not self._stack_built:
+            self._stack, self._stack_built = build_layer_stack(self), True
+        return self._stack
+
+    def native_layers_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                              local_rope: tuple[torch.Tensor, torch.Tensor] | None, kv_caches: torch.Tensor,
+                              meta: AttentionMetadata,
+                              after_layer: Callable[[int], None] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer through the native stack, as the Python loop would leave (x, residual); None
+        when the stack cannot serve this step (the caller runs its loop)."""
+        stack = self.layer_stack() if after_layer is None else None
+        if stack is None or not stack_serves(stack, x, kv_caches, meta):
+            return None
+        self.native_steps += 1
+        return run_layer_stack(stack, x, rope, local_rope, kv_caches, meta)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
                 logits_indices: torch.Tensor, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -77,10 +77,14 @@ class Gemma3ForCausalLM(CausalLM):
         x, residual = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype), None
         last = len(self.layers) - 1
         skip = meta.sampled_rows is not None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, rope, kv_cache, meta, skip and i == last)
-            if after_layer is not None:
-                after_layer(i)
+        native = self.native_layers_forward(x, rope[False], rope[True], kv_caches, meta, after_layer)
+        if native is not None:
+            x, residual = native
+        else:
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                x, residual = layer(x, residual, rope, kv_cache, meta, skip and i == last)
+                if after_layer is not None:
+                    after_layer(i)
         if not skip:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm.add_forward(x, residual)

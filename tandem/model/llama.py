@@ -8,7 +8,6 @@ logits for the sampled positions out.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +17,6 @@ from tandem.model.attention import AttentionMetadata, paged_attention, paged_att
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from tandem.model.linear import DENSE, Linear
-from tandem.model.native_stack import build_layer_stack, run_layer_stack, stack_serves
 from tandem.ops import fused
 
 
@@ -82,22 +80,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
         super().__init__(cfg, dtype, methods, LlamaDecoderLayer)
-        # The native layer stack (model/native_stack.py), built on the first forward, once the weights
-        # are in their final form; native_layers = False keeps every step on the Python loop.
-        self.native_layers = True
-        self._stack: Any | None = None
-        self._stack_built = False
-        self.native_steps = 0  # steps the stack served (tests and benchmarks read it)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.rotary = RotaryEmbedding.of(self.cfg, self.norm.weight.dtype).to(device)
-
-    def layer_stack(self) -> Any | None:
-        if not self.native_layers:
-            return None
-        if not self._stack_built:
-            self._stack, self._stack_built = build_layer_stack(self), True
-        return self._stack
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: torch.Tensor,
@@ -108,10 +93,9 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rotary.lookup(meta.positions)
         x, residual = self.embed_tokens(input_ids), None
         skip = meta.sampled_rows is not None
-        stack = self.layer_stack() if after_layer is None else None
-        if stack is not None and stack_serves(stack, x, kv_caches, meta):
-            x, residual = run_layer_stack(stack, x, cos, sin, kv_caches, meta)
-            self.native_steps += 1
+        native = self.native_layers_forward(x, (cos, sin), None, kv_caches, meta, after_layer)
+        if native is not None:
+            x, residual = native
         else:
             last = len(self.layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

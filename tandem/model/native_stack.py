@@ -1,4 +1,4 @@
-"""The Llama family's decoder layers as one native call per step (tandem/ops/layer_stack.cpp).
+"""The decoder layers of the Llama family and Gemma 3 as one native call per step (tandem/ops/layer_stack.cpp).
 
 The stack holds the same weight tensors the modules hold (no copy) and calls the same kernels the
 Python layer loop calls, in the same order, so both give the same bits; the Python loop stays the
@@ -28,8 +28,12 @@ def native_layers_enabled() -> bool:
     return os.environ.get("TANDEM_NATIVE_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
 def build_layer_stack(model: Any) -> Any | None:
-    """A LayerStack for a LlamaForCausalLM's layers, or None where it cannot serve them."""
+    """A LayerStack for a LlamaForCausalLM's or Gemma3ForCausalLM's layers, or None where it cannot
+    serve them."""
     if not native_layers_enabled() or not extension.extension_available():
         return None
     norm = model.norm.weight
@@ -37,17 +41,21 @@ def build_layer_stack(model: Any) -> Any | None:
     if norm.device.type != "cpu" or norm.dtype not in _DTYPES or cfg.head_dim % 16:  # the kernels' rows
         return None
     first = model.layers[0].self_attn
+    act = _ACTIVATIONS.get(model.layers[0].mlp.act)
+    if act is None or any(layer.mlp.act != model.layers[0].mlp.act for layer in model.layers):
+        return None
     stack = torch.classes.tandem.LayerStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                            first.scale)
+                                            first.scale, act)
     none = torch.empty(0, dtype=norm.dtype)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if mlp.act != "silu":
-            return None
         q_norm = attn.q_norm.weight if attn.q_norm is not None else none
         k_norm = attn.k_norm.weight if attn.k_norm is not None else none
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
                         attn.window)
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
+            stack.set_sandwich(layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight,
+                               layer.local)
         linear: Linear
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             form = linear.method.native_form(linear)
@@ -71,12 +79,16 @@ def stack_serves(stack: Any, x: torch.Tensor, kv_caches: torch.Tensor, meta: Att
     return True
 
 
-def run_layer_stack(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: torch.Tensor,
+def run_layer_stack(stack: Any, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    local_rope: tuple[torch.Tensor, torch.Tensor] | None, kv_caches: torch.Tensor,
                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer's output and residual (not yet added), as the Python loop leaves them."""
+    """The last layer's output and residual (not yet added), as the Python loop leaves them.
+    rope: (cos, sin) rows of the step's positions; local_rope: the sliding layers' (Gemma 3)."""
     sampled = meta.sampled_rows is not None
     empty_long, empty_int = x.new_empty(0, dtype=torch.long), x.new_empty(0, 0, dtype=torch.int32)
-    return stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+    local_cos, local_sin = local_rope if local_rope is not None else (x.new_empty(0), x.new_empty(0))
+    return stack.forward(x, *rope, local_cos, local_sin, kv_caches, meta.slot_mapping, meta.num_decode_tokens,
+                         meta.decode_block_tables,
                          meta.decode_seq_lens, meta.prefill_block_tables, meta.prefill_query_start,
                          meta.prefill_seq_lens, sampled,
                          meta.sampled_rows if sampled else empty_long,

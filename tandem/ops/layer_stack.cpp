@@ -1,5 +1,5 @@
-// The Llama family's decoder stack in one native call: every layer of a step, from the first
-// layer's norm to the last layer's MLP, without going back to Python between operators.
+// The decoder stack of the Llama family and Gemma 3 in one native call: every layer of a step, from
+// the first layer's norm to the last layer's MLP, without going back to Python between operators.
 //
 // At batch 1 a step of the default model (30 layers) is ~330 operator calls; through Python each
 // costs its argument parsing, the dispatcher and an output allocation, which together were more
@@ -100,10 +100,17 @@ struct LinearW {
 
 struct LayerW {
   at::Tensor input_norm, post_norm;
-  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's and Gemma 3's per-head norms
   std::vector<LinearW> linears;               // qkv, o, gate_up, down
   int64_t window = 0;
+  // Gemma 3's sandwich: post_norm normalises the attention output, pre_ff_norm adds it to the
+  // residual stream and normalises the MLP's input, post_ff_norm its output; local: the sliding
+  // layers' own rotary table.
+  std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
+  bool local = false;
 };
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 std::optional<at::Tensor> given(const at::Tensor& t) {
   return t.defined() && t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -113,9 +120,20 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 
 class LayerStack : public torch::CustomClassHolder {
  public:
-  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale) {
+  // act: the MLP's activation (0 SwiGLU, 1 GeGLU with tanh-approximated GELU).
+  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t act)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale), act_(act) {
     TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && D_ > 0, "LayerStack: bad head geometry");
+    TORCH_CHECK(act == kSilu || act == kGeluTanh, "LayerStack: unknown activation ", act);
+  }
+
+  // Makes the last layer a Gemma 3 layer (see LayerW).
+  void set_sandwich(const at::Tensor& pre_ff_norm, const at::Tensor& post_ff_norm, bool local) {
+    TORCH_CHECK(!layers_.empty(), "LayerStack: add_layer first");
+    LayerW& L = layers_.back();
+    L.pre_ff_norm = pre_ff_norm.contiguous();
+    L.post_ff_norm = post_ff_norm.contiguous();
+    L.local = local;
   }
 
   // q_norm/k_norm: empty tensors when the family has none.
@@ -141,12 +159,14 @@ class LayerStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t max_rows() const { return max_rows_; }
 
-  // x: the embedded tokens [T, hidden]. kv_caches [layers, 2, blocks, block_size, KVH, D]. The first
+  // x: the embedded tokens [T, hidden]; cos/sin: the rotary rows of its positions (local_*: the
+  // sliding layers' table, for layers marked local). kv_caches [layers, 2, blocks, block_size, KVH, D]. The first
   // num_decodes rows are single-token queries; the rest are the prefill kernel's (query_start over
   // them). sampled_only: the last layer continues with sampled_rows only (perhaps none), each
   // as one query over sampled_block_tables / sampled_seq_lens. Returns the last layer's output and
   // residual, not yet added (the final norm adds them).
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                             const at::Tensor& local_cos, const at::Tensor& local_sin,
                                              const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                                              int64_t num_decodes, const at::Tensor& decode_block_tables,
                                              const at::Tensor& decode_seq_lens,
@@ -181,7 +201,10 @@ class LayerStack : public torch::CustomClassHolder {
         q = rms_norm(q.reshape({-1, D_}), *L.q_norm, eps_).view({T, H_, D_});
         k = rms_norm(k.reshape({-1, D_}), *L.k_norm, eps_).view({T, KVH_, D_});
       }
-      rotary_(q, k, cos, sin);
+      if (L.local)
+        rotary_(q, k, local_cos, local_sin);
+      else
+        rotary_(q, k, cos, sin);
       at::Tensor k_cache = kv_caches[i][0], v_cache = kv_caches[i][1];
       write_kv(k, v, k_cache, v_cache, slot_mapping);
       at::Tensor attn;
@@ -206,15 +229,28 @@ class LayerStack : public torch::CustomClassHolder {
         }
       }
       const at::Tensor o = L.linears[1](attn.view({attn.size(0), q_size}));
-      std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
-      x = L.linears[3](silu_and_mul(L.linears[2](h)));
+      if (L.pre_ff_norm) {
+        std::tie(h, residual) = add_rms_norm(rms_norm(o, L.post_norm, eps_), residual, *L.pre_ff_norm, eps_);
+        x = rms_norm(L.linears[3](activation(L.linears[2](h))), *L.post_ff_norm, eps_);
+      } else {
+        std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
+        x = L.linears[3](activation(L.linears[2](h)));
+      }
     }
     return {x, residual};
   }
 
  private:
+  // GatedMLP's arithmetic, op for op.
+  at::Tensor activation(const at::Tensor& gate_up) const {
+    if (act_ == kSilu) return silu_and_mul(gate_up);
+    const auto parts = gate_up.chunk(2, -1);
+    return at::gelu(parts[0], "tanh") * parts[1];
+  }
+
   int64_t H_, KVH_, D_;
   double eps_, scale_;
+  int64_t act_;
   std::vector<LayerW> layers_;
   int64_t max_rows_ = std::numeric_limits<int64_t>::max();
 };
@@ -223,8 +259,9 @@ class LayerStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.class_<tandem_ops::LayerStack>("LayerStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &tandem_ops::LayerStack::add_layer)
+      .def("set_sandwich", &tandem_ops::LayerStack::set_sandwich)
       .def("add_linear", &tandem_ops::LayerStack::add_linear)
       .def("num_layers", &tandem_ops::LayerStack::num_layers)
       .def("max_rows", &tandem_ops::LayerStack::max_rows)
