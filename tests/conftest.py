@@ -71,9 +71,8 @@ def passages() -> list[str]:
     return [p for p in (DATA / "passages.txt").read_text().splitlines() if p.strip()]
 
 
-@pytest.fixture(scope="session")
-def hf_reference(default_model_path: Path):  # noqa: ANN201
-    """Hugging Face transformers on the same GGUF weights (its own dequantizer), float32."""
+def load_hf_gguf(path: Path):  # noqa: ANN201
+    """Hugging Face transformers on a GGUF file's weights (its own dequantizer), float32, in eval mode."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -82,9 +81,14 @@ def hf_reference(default_model_path: Path):  # noqa: ANN201
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path: Path):  # noqa: ANN201
+    """Hugging Face transformers on the same GGUF weights (its own dequantizer), float32."""
+    return load_hf_gguf(default_model_path)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001

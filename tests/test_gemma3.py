@@ -10,6 +10,7 @@ import unittest
 
 import pytest
 import torch
+from conftest import load_hf_gguf
 
 from tandem import SamplingParams
 from tandem.model_path import packaged_model_path
@@ -27,9 +28,7 @@ def gguf():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def reference(gguf):  # noqa: ANN001, ANN201
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return load_hf_gguf(gguf)
 
 
 @pytest.fixture(scope="module")
