@@ -31,6 +31,14 @@ def server():  # noqa: ANN201
         yield s
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_path: Path):  # noqa: ANN201
+    """The transformers tokenizer of the model's GGUF file, for the harness's HFLM (read once: it parses the file)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+
+
 def evaluate(model: object, tasks: list[str], chat: bool = False, model_args: dict | None = None,
              limit: int | None = None) -> dict:
     import lm_eval
@@ -47,17 +55,15 @@ def per_item(result: dict, task: str) -> list[list[float]]:
     return [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
 
 
-def test_the_shipped_task_scores_the_same_as_on_transformers(server, hf_reference, default_model_path: Path) -> None:  # noqa: ANN001
+def test_the_shipped_task_scores_the_same_as_on_transformers(server, hf_reference, hf_tokenizer) -> None:  # noqa: ANN001
     from lm_eval.models.huggingface import HFLM
-    from transformers import AutoTokenizer
 
     info = httpx.get(f"{server.url}/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
     ours = evaluate("local-completions", ["tandem_python"], model_args={
         "base_url": f"{server.url}/v1/completions", "model": "SmolLM2-135M-Instruct",
         "tokenizer_backend": "remote", "num_concurrent": 8, "max_retries": 1})
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
-    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=tokenizer, batch_size=32), ["tandem_python"])
+    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=hf_tokenizer, batch_size=32), ["tandem_python"])
     a, b = per_item(ours, "tandem_python"), per_item(theirs, "tandem_python")
     assert len(a) == len(b) == sum(1 for _ in (TASKS / "python_mc.jsonl").open())
     for item, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -69,18 +75,16 @@ def test_the_shipped_task_scores_the_same_as_on_transformers(server, hf_referenc
 
 
 def test_chat_completions_generate_what_transformers_generates(server, hf_reference,  # noqa: ANN001
-                                                                default_model_path: Path) -> None:
+                                                                hf_tokenizer) -> None:
     """local-chat-completions on the generative task (greedy, through the chat template): every
     reply equals the harness's own generation on transformers with the same template (the first
     LIMIT items: transformers generates one at a time)."""
     from lm_eval.models.huggingface import HFLM
-    from transformers import AutoTokenizer
 
     ours = evaluate("local-chat-completions", ["tandem_python_gen"], chat=True, model_args={
         "base_url": f"{server.url}/v1/chat/completions", "model": "SmolLM2-135M-Instruct",
         "tokenizer_backend": "none", "num_concurrent": 4, "max_retries": 1}, limit=GEN_LIMIT)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
-    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=tokenizer, batch_size=1), ["tandem_python_gen"],
+    theirs = evaluate(HFLM(pretrained=hf_reference, tokenizer=hf_tokenizer, batch_size=1), ["tandem_python_gen"],
                       chat=True, limit=GEN_LIMIT)
     replies = [[s["resps"][0][0] for s in sorted(r["samples"]["tandem_python_gen"], key=lambda s: s["doc_id"])]
                for r in (ours, theirs)]
