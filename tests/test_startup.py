@@ -82,7 +82,7 @@ def test_startup_errors_name_what_to_fix() -> None:
     try:
         for args, says in ((("/nonexistent/model.gguf", *SMALL), ("/nonexistent/model.gguf", "MODEL")),
                            (("--kv-cache-memory", "100000"), ("--kv-cache-memory 100000", "available")),
-                           (("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "4096"),
+                           (("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "4096", *SMALL),
                             ("--worker-cores", "4096")),
                            (("--speculative-config", "{bad", *SMALL), ("--speculative-config",))):
             parsed = build_parser().parse_args(["serve", "--port", str(free_port()), *args])
