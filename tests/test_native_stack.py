@@ -1,7 +1,8 @@
 """The native layer stack (ops/layer_stack.cpp) against the Python layer loop it replaces: the same
 logits and the same KV pool, to the bit, for every Llama-family variant (qkv bias, q/k norm, a
-sliding window) and Gemma 3 (sandwich norms, GeGLU, a local rotary table), float32 and bf16, a float and an int8 pool, and the step shapes an engine runs:
-prompt chunks over cached context beside decodes, pure decodes, and logits for a few rows only."""
+sliding window) and Gemma 3 (sandwich norms, GeGLU, a local rotary table), float32 and bf16, a
+float and an int8 pool, and the step shapes an engine runs: prompt chunks over cached context
+beside decodes, pure decodes, and logits for a few rows only."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.model.linear import DENSE, Linear, PackedBf16Method, weight_bytes
+from tandem.model.linear import DENSE, Embedding, Linear, PackedBf16Method, held_forms, weight_bytes
 from tandem.model.packed_linear import (
     SMALL_BATCH_ROWS,
     PackedLinear,
@@ -47,10 +47,15 @@ def test_the_packed_method_computes_what_the_dense_one_does_and_drops_the_plain_
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x).float(), dense(x).float(), atol=5e-2, rtol=5e-2)
-    # Its bytes: the oneDNN copy (an opaque tensor), the small-batch panels where built, and the bias.
-    copies = 1 if packed.packed.panels is None else 2
-    assert weight_bytes(packed) == copies * 64 * 32 * 2 + 64 * 2
-    assert weight_bytes(dense) == 64 * 32 * 2 + 64 * 2
+    # Its bytes: the small-batch panels where built, oneDNN's copy (an opaque tensor) where the panels
+    # do not serve every row, and the bias; each form by name.
+    forms = held_forms(packed)
+    held = {"packed-bf16 panels": packed.packed.panels, "packed-bf16 oneDNN": packed.packed.packed_weight}
+    assert {f for f, t in held.items() if t is not None} | {"packed-bf16"} == set(forms)
+    assert all(forms[f] == 64 * 32 * 2 for f, t in held.items() if t is not None)
+    assert forms["packed-bf16"] == 64 * 2  # the bias
+    assert weight_bytes(packed) == sum(forms.values())
+    assert held_forms(dense) == {"dense": 64 * 32 * 2 + 64 * 2}
 
 
 small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batch_linear needs AVX512-BF16")
@@ -58,12 +63,12 @@ small_batch = pytest.mark.skipif(not small_batch_supported(), reason="small_batc
 
 @small_batch
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize("out_features", [150, 64])
 def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_features: int) -> None:
     # out_features 150: the last 32-column panel is partly padding, which must not reach the output.
-    # Rows 1-2 take the dpbf16 path, more the brgemm one (33, 100: the last, partial 32 rows from the
-    # zero-padded tail).
+    # A few rows take the dpbf16 path (1-2 on AMX; 1-16 elsewhere, 9-16 in two passes), more the
+    # brgemm one (33, 100: on AMX the last, partial 32 rows from the zero-padded tail).
     torch.manual_seed(rows * out_features)
     linear = nn.Linear(96, out_features, bias=bias, dtype=torch.bfloat16)
     panels = torch.ops.tandem.pack_linear_weight(linear.weight)
@@ -75,22 +80,28 @@ def test_small_batch_linear_matches_float_reference(bias: bool, rows: int, out_f
         assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
         # fp32 accumulation rounded once to bf16: within one bf16 rounding of the exact result.
         torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=8e-3)
-        packed = PackedLinear(linear.weight, linear.bias).packed_weight
-        onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, linear.bias, "none", [], "")
+        onednn = onednn_linear(x.contiguous(), linear)
         assert (got.float() - onednn.float()).abs().max() <= 2 * (onednn.float().abs().max() * 2**-8)
 
 
+def onednn_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 256)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+
+
 @small_batch
-def test_packed_linear_switches_paths_by_row_count_with_the_same_results() -> None:
+def test_packed_linear_keeps_one_copy_where_the_panels_serve_every_row() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True, dtype=torch.bfloat16)
     packed = PackedLinear(linear.weight, linear.bias)
     assert packed.panels is not None
-    x = torch.randn(SMALL_BATCH_ROWS + 3, 128, dtype=torch.bfloat16)
+    # oneDNN's copy only where it serves the rows past the panels' (AMX).
+    assert (packed.packed_weight is None) == (SMALL_BATCH_ROWS is None)
+    x = torch.randn(300, 128, dtype=torch.bfloat16)
     with torch.inference_mode():
-        big = packed(x)  # oneDNN
-        for r in range(1, SMALL_BATCH_ROWS + 1):
-            torch.testing.assert_close(packed(x[:r]).float(), big[:r].float(), atol=2e-2, rtol=2e-2)
+        reference = onednn_linear(x, linear)
+        for r in (1, 2, 8, 9, 16, 31, 32, 33, 64, 300):  # either side of every switch
+            torch.testing.assert_close(packed(x[:r]).float(), reference[:r].float(), atol=2e-2, rtol=2e-2)
 
 
 @small_batch
@@ -100,3 +111,21 @@ def test_small_batch_linear_rejects_a_mismatched_weight() -> None:
         torch.ops.tandem.small_batch_linear(torch.randn(1, 48, dtype=torch.bfloat16), panels, None, 64)
     with pytest.raises(RuntimeError, match="in_features must be even"):
         torch.ops.tandem.pack_linear_weight(torch.randn(8, 33, dtype=torch.bfloat16))
+
+
+@small_batch
+def test_a_tied_embedding_reads_its_rows_from_the_heads_panels() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(100, 64, dtype=torch.bfloat16)  # 100 rows: the last panel is partly padding
+    embedding = Embedding(100, 64, torch.bfloat16)
+    embedding.table.weight.data.copy_(weight)
+    head = Linear(64, 100, False, torch.bfloat16, PackedBf16Method())
+    head.method.load(head, [weight])
+    head.method.finish(head)
+    ids = torch.tensor([[0, 31, 32, 99], [63, 64, 5, 96]])
+    with torch.inference_mode():
+        expected = embedding(ids)
+        embedding.share_head(head)
+        assert embedding.table.weight is None  # one copy: the head's
+        assert torch.equal(embedding(ids), expected) and torch.equal(expected, weight[ids])
+    assert held_forms(nn.ModuleList([embedding, head])) == {"packed-bf16 panels": 4 * 32 * 64 * 2}

@@ -130,6 +130,8 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.method.finish(m)
+        if self.cfg.tie_word_embeddings:
+            self.embed_tokens.share_head(self.lm_head)
 
     def _tie_head(self) -> None:
         """The lm_head reads the embedding's own storage (plan_linear_methods gives a quantized table's

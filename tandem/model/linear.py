@@ -87,7 +87,7 @@ class PackedBf16Method(LinearMethod):
         packed = layer.packed
         if packed.panels is None:
             return None
-        return NativeLinear(1, packed.panels, max_rows=SMALL_BATCH_ROWS, wide=packed.packed_weight)
+        return NativeLinear(1, packed.panels, max_rows=SMALL_BATCH_ROWS or 0, wide=packed.packed_weight)
 
 
 @dataclass(frozen=True)
@@ -176,9 +176,22 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, method: LinearMethod = DENSE) -> None:
         super().__init__()
         self.table = Linear(dim, num_embeddings, bias=False, dtype=dtype, method=method)
+        self.head_panels: torch.Tensor | None = None
+
+    def share_head(self, head: Linear) -> None:
+        """A tied head packed into small_batch_linear's panels holds the table already: rows are read
+        from the panels and the plain table is dropped (one copy of the weight, not two)."""
+        packed = getattr(head, "packed", None)
+        if packed is not None and packed.panels is not None and self.table.method is DENSE:
+            self.head_panels = packed.panels
+            self.table.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
+        if self.head_panels is not None:  # [P, K/2, 32, 2]: row 32p + j is [p, :, j, :]
+            flat = ids.reshape(-1)
+            rows = self.head_panels[flat // 32, :, flat % 32, :]
+            return rows.reshape(*ids.shape, t.in_features)
         if isinstance(t.method, GGUFMethod):
             rows = QuantizedWeight(t.qdata[ids.reshape(-1)], t.method.fmt, t.in_features)
             return rows.dequantize().to(t.dtype).view(*ids.shape, t.in_features)
@@ -190,19 +203,38 @@ def weight_formats(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted({m.method.name for m in model.modules() if isinstance(m, Linear)}))
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: its parameters and the linear layers' buffers (ggml blocks,
-    packed copies in their submodules); each storage once, so a tied head is counted once. Other buffers
-    are computed tables, not weights (the rotary cos/sin, Gemma 3's local table too)."""
+def held_forms(model: nn.Module) -> dict[str, int]:
+    """Bytes of every weight the model holds, by the form it is held in: a linear method's name (its
+    weight or ggml blocks), "packed-bf16 panels" and "packed-bf16 oneDNN" for the two copies a packed
+    layer can keep, "other" for parameters outside the linear layers (norms). Each storage is counted
+    once, so a tied head is counted once. Other buffers are computed tables, not weights (the rotary
+    cos/sin, Gemma 3's local table too)."""
     seen: set[int] = set()
-    total = 0
-    buffers = [b for m in model.modules() if isinstance(m, Linear) for b in m.buffers()]
-    for t in [*model.parameters(), *buffers]:
+    forms: dict[str, int] = {}
+
+    def count(form: str, t: torch.Tensor) -> None:
         if t.is_mkldnn:  # oneDNN's packed layout: an opaque tensor of its own, with no storage to share
-            total += t.numel() * t.element_size()
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
+            nbytes = t.numel() * t.element_size()
+        else:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                return
             seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-    return total
+            nbytes = t.untyped_storage().nbytes()
+        forms[form] = forms.get(form, 0) + nbytes
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        for name, t in m.named_buffers():
+            part = {"packed.panels": " panels", "packed.packed_weight": " oneDNN"}.get(name, "")
+            count(m.method.name + part, t)
+        for t in m.parameters():
+            count(m.method.name, t)
+    for t in model.parameters():
+        count("other", t)
+    return forms
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds (held_forms, summed)."""
+    return sum(held_forms(model).values())

@@ -24,7 +24,7 @@ from tandem.model.block_formats import native_format
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.model.gguf_index import GgufError, IndexedTensor, read_gguf
-from tandem.model.linear import Weight, plan_linear_methods, weight_bytes, weight_formats
+from tandem.model.linear import Weight, held_forms, plan_linear_methods
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
@@ -197,6 +197,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     net.load_weights(weights)
     net.fingerprint = weights_fingerprint(weights, dtype)
     net.eval()
+    forms = held_forms(net)
     startup.info("loaded %s in %.1f s: %d layers, %.1f MiB of weights as held (%s)", name, time.perf_counter() - t0,
-                 arch.num_layers, weight_bytes(net) / 2**20, ", ".join(weight_formats(net)))
+                 arch.num_layers, sum(forms.values()) / 2**20,
+                 ", ".join(f"{form} {n / 2**20:.1f} MiB" for form, n in sorted(forms.items(), key=lambda f: -f[1])))
     return LoadedModel(net, tokenizer, arch, path, name)

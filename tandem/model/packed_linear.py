@@ -8,10 +8,11 @@ to 5.5 ms) and left prompt-sized ones (1024+ rows) within noise. The packed tens
 plain weight, so memory does not grow (a tied lm_head keeps the embedding and adds its packed copy).
 
 Up to 32 rows (decode at low concurrency) a linear layer is a weight stream, which oneDNN read at
-~9-14 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at 11-16 GB/s.
-Such layers keep a second copy of the weight in that op's panel layout, so the linear weights take
-twice their size in memory (0.27 GB more for the default model) for 1.2-1.5x faster matmuls at
-decode batches of 1-32 (benchmarks/small_batch_linear.py).
+~9-14 GB/s here; the compiled small_batch_linear (tandem/ops/linear.cpp) reads it at 11-24 GB/s.
+Such layers hold the weight in that op's panel layout. On AMX, oneDNN's tile GEMMs are faster past
+32 rows, so there a layer keeps oneDNN's copy too (twice the linear weights' bytes, reported at
+start-up); without AMX the panels stay within 0.93-1.03x of oneDNN from 32 to 2,048 rows and serve
+every row, so the layer holds one copy (benchmarks/small_batch_linear.py).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def _has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-# Up to this many rows small_batch_linear is faster (benchmarks/small_batch_linear.py). On AMX (Sapphire
-# Rapids): 1.2-1.5x at 1-32 rows, 0.73x at 48, where a brgemm call past 32 rows falls off a cliff.
-# With dpbf16 only (Zen 4): 1.5-1.6x at 1-2 rows, 1.3-1.4x at 3-8, 1.12x at 32, 1.02x at 128, even at 256.
-SMALL_BATCH_ROWS = 32 if _has_amx() else 128
+# Up to this many rows small_batch_linear serves, past them oneDNN's copy (benchmarks/small_batch_linear.py).
+# On AMX (Sapphire Rapids): 1.2-1.5x at 1-32 rows, 0.73x at 48, where a brgemm call past 32 rows falls
+# off a cliff. With dpbf16 only (Zen 4): 1.6-1.9x at 1-8 rows, 1.1-1.2x at 16-48, 0.97-1.03x at 128-1,024,
+# 0.93x at 2,048: every row (None), and no oneDNN copy.
+SMALL_BATCH_ROWS: int | None = 32 if _has_amx() else None
 
 
 def small_batch_supported() -> bool:
@@ -65,17 +67,20 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = BATCH_HINT) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        self.register_buffer("packed_weight", packed, persistent=False)
         panels = None
         if small_batch_supported() and self.in_features % 2 == 0:
             panels = torch.ops.tandem.pack_linear_weight(weight.detach())
         self.register_buffer("panels", panels, persistent=False)
+        packed = None
+        if panels is None or SMALL_BATCH_ROWS is not None:  # rows the panels do not serve
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.panels is not None and rows.shape[0] <= SMALL_BATCH_ROWS:
+        limit = SMALL_BATCH_ROWS
+        if self.panels is not None and (self.packed_weight is None or limit is None or rows.shape[0] <= limit):
             out = torch.ops.tandem.small_batch_linear(rows, self.panels, self.bias, self.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")

@@ -10,14 +10,15 @@
 //     [K/2][32] bf16 pairs: one contiguous stream per panel, in the VNNI layout that both dpbf16
 //     and oneDNN's brgemm (AMX tiles or dpbf16) read; threads split the panels, and each panel
 //     meets every row while it is in L1, so W streams from memory once per call;
-//   * one or two rows: dpbf16, each 64-byte load of the panel (16 columns x one pair along K)
-//     against every row, accumulators in registers;
-//   * three or more: oneDNN's brgemm micro-kernel (AMX where the CPU has it, dpbf16 otherwise), 32
-//     rows a call, the panel as its B operand as it is. On AMX, our dpbf16 loop's cost per weight
-//     byte grows with the rows (1.0x oneDNN at four), a tile product's does not;
+//   * a few rows (two on AMX, sixteen elsewhere: dot_rows): dpbf16, each 64-byte load of the panel
+//     (16 columns x one pair along K) against up to eight rows, accumulators in registers;
+//   * more: oneDNN's brgemm micro-kernel (AMX where the CPU has it, dpbf16 otherwise), 32 rows a
+//     call, the panel as its B operand as it is. On AMX, our dpbf16 loop's cost per weight byte
+//     grows with the rows (1.0x oneDNN at four), a tile product's does not;
 //   * accumulation is in fp32, then + bias, rounded once to bf16, as oneDNN does.
 // On AMX, past 32 rows the second brgemm shape per panel costs more than it saves (0.73x at 48): the
-// caller switches to oneDNN's blocked matmul there (on a Zen 4 it stays ahead to 128 rows).
+// caller switches to oneDNN's blocked matmul there. Without AMX the panels stay within 0.93-1.03x of
+// oneDNN from 32 to 2,048 rows (a Zen 4), so they serve every row and oneDNN's copy is not kept.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,8 @@
 #include <torch/library.h>
 
 #include "simd.h"
+
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -36,11 +39,27 @@ namespace tandem_ops {
 namespace {
 
 constexpr int64_t kPanel = 32;   // output columns per packed panel
-constexpr int64_t kMaxRows = 4;  // rows whose accumulators are held in registers at once
-constexpr int64_t kDotRows = 2;  // up to here dpbf16, beyond oneDNN's brgemm
+constexpr int64_t kMaxRows = 8;  // rows whose accumulators are held in registers at once (16 of 32 zmm)
 constexpr int64_t kBrgemmRows = 32;  // rows per brgemm call
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// AMX tiles (CPUID leaf 7, EDX bit 24): there a brgemm shape change reconfigures the tiles, so the
+// last, partial block of rows is padded to the one shape; without AMX a partial block costs in
+// proportion to its rows (padding 8 rows to 32 made 8-row steps 1.5x slower than oneDNN on a Zen 4).
+bool cpu_has_amx() {
+  static const bool amx = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u);
+  }();
+  return amx;
+}
+
+// Up to this many rows the dpbf16 loop, beyond oneDNN's brgemm. On AMX a tile product's cost per
+// weight byte does not grow with the rows and our loop's does (1.0x oneDNN at four): two rows. With
+// dpbf16 only, eight rows' accumulators fit in registers, so each panel pass reads the weight once
+// per eight rows against brgemm's once per call (at 8 rows 1.5x faster than brgemm on a Zen 4).
+int64_t dot_rows() { return cpu_has_amx() ? 2 : 2 * kMaxRows; }
 
 #if defined(__AVX512BF16__)
 // The fp32 accumulators of one output row's panel (32 columns as two vectors), plus the bias,
@@ -82,18 +101,19 @@ void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, i
 }
 
 // Rows of x in blocks of kBrgemmRows against one panel (oneDNN's brgemm micro-kernel reads the
-// panel's VNNI layout as it is), each call's fp32 results through the shared epilogue. Every call
-// has the one shape kBrgemmRows x kPanel x K: the last, partial block of rows is read from `tail`,
-// a zero-padded copy of them (on AMX a second shape per panel reconfigures the tiles, which cost
-// more than the padding's products: 0.73x oneDNN at 48 rows before).
+// panel's VNNI layout as it is), each call's fp32 results through the shared epilogue. With `tail`
+// (on AMX) every call has the one shape kBrgemmRows x kPanel x K: the last, partial block of rows is
+// read from it, a zero-padded copy of them (there a second shape per panel reconfigures the tiles,
+// which cost more than the padding's products: 0.73x oneDNN at 48 rows before); without, the last
+// call takes the rows there are.
 void panel_rows_brgemm(const bf16* x, int64_t ldx, int64_t M, const bf16* tail, const bf16* panel, int64_t K,
                        int64_t n, const float* bias, bf16* y, int64_t ldy, float* C) {
   const PanelStore out(n, bias);
   for (int64_t m = 0; m < M; m += kBrgemmRows) {
     const int64_t rows = std::min(kBrgemmRows, M - m);
-    const bool full = rows == kBrgemmRows;
-    at::native::cpublas::brgemm(kBrgemmRows, kPanel, K, full ? ldx : K, kPanel, kPanel, false,
-                                full ? x + m * ldx : tail, panel, C, true);
+    const bool padded = rows < kBrgemmRows && tail != nullptr;
+    at::native::cpublas::brgemm(padded ? kBrgemmRows : rows, kPanel, K, padded ? K : ldx, kPanel, kPanel, false,
+                                padded ? tail : x + m * ldx, panel, C, true);
     for (int64_t r = 0; r < rows; ++r)
       out.row(_mm512_loadu_ps(C + r * kPanel), _mm512_loadu_ps(C + r * kPanel + 16), y + (m + r) * ldy);
   }
@@ -146,8 +166,8 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   const float* B = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   bf16* Y = static_cast<bf16*>(y.data_ptr());
   const int64_t lda = xr.stride(0), KP = K / 2;
-  if (M > kDotRows) {
-    const int64_t tail_rows = M % kBrgemmRows;
+  if (M > dot_rows()) {
+    const int64_t tail_rows = cpu_has_amx() ? M % kBrgemmRows : 0;
     at::Tensor tail = at::zeros({tail_rows ? kBrgemmRows : 0, K}, x.options());
     if (tail_rows) tail.narrow(0, 0, tail_rows).copy_(xr.narrow(0, M - tail_rows, tail_rows));
     const bf16* T = tail_rows ? static_cast<const bf16*>(tail.data_ptr()) : nullptr;
@@ -172,7 +192,11 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
           case 1: panel_rows<1>(xm, lda, panel, KP, n, b, ym, N); break;
           case 2: panel_rows<2>(xm, lda, panel, KP, n, b, ym, N); break;
           case 3: panel_rows<3>(xm, lda, panel, KP, n, b, ym, N); break;
-          default: panel_rows<4>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 4: panel_rows<4>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 5: panel_rows<5>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 6: panel_rows<6>(xm, lda, panel, KP, n, b, ym, N); break;
+          case 7: panel_rows<7>(xm, lda, panel, KP, n, b, ym, N); break;
+          default: panel_rows<8>(xm, lda, panel, KP, n, b, ym, N); break;
         }
       }
     }
