@@ -51,10 +51,13 @@ WORKLOADS = [Workload("one-stream", 256, 128, 1, 4), Workload("c8", 256, 128, 8,
              Workload("c32", 256, 128, 32, 64), Workload("long", 2048, 64, 16, 16)]
 SLOTS = 32  # llama-server's parallel sequences: the largest concurrency
 TANDEM_SERVERS = {  # name -> its `tandem serve` flags
-    "tandem": ["--quantization", "gguf"],  # the default: the file's blocks as stored
+    "tandem": ["--quantization", "gguf"],  # the file's blocks as stored (the default where bf16 is not native)
     "tandem-int8kv": ["--quantization", "gguf", "--kv-cache-dtype", "int8"],
-    "tandem-dense": ["--quantization", "none"],  # dequantized to --dtype auto (bf16 where native)
+    "tandem-dense": ["--quantization", "none"],  # dequantized to --dtype auto (bf16 where native: the default)
 }
+# llama-server queues every request; Tandem's default admission control refuses (429) those it predicts
+# would miss the SLOs. Throughput is compared on the same served work, so Tandem serves everything too.
+TANDEM_COMMON = ["--admission", "off"]
 SLOT_CONTEXT = 2304  # the longest request (2,048 + 64) and then some
 
 
@@ -65,7 +68,8 @@ def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
                 "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "--no-webui"]
     flags = TANDEM_SERVERS[name]
     return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto", *flags,
-            "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS), *shlex.split(args.tandem_args)]
+            *TANDEM_COMMON, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
+            *shlex.split(args.tandem_args)]
 
 
 def run_server(name: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
@@ -103,6 +107,9 @@ def run_server(name: str, args: argparse.Namespace, progress: Progress) -> list[
             if rc != 0:
                 raise RunFailed(f"{name} {w.name}: bench exited with {rc}", args.out_dir / "client.log")
             r = json.loads(out.read_text())
+            if r.get("failed"):  # a throughput over fewer requests than the other server's compares nothing
+                raise RunFailed(f"{name} {w.name}: {r['failed']} of {r.get('num_requests')} requests failed",
+                                out.with_suffix(".requests.jsonl"))
             results.append({"server": name, "workload": w.name, "wall_s": time.monotonic() - t0,
                             **{k: r.get(k) for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
                                                      "p99_tpot_ms", "median_itl_ms", "completed")}})

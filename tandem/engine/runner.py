@@ -88,7 +88,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         # Single-token queries first: the attention backend serves them with the paged decode kernel.
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        items = sched.scheduled if sched.decodes_first else sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
         q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
         context_lens = np.fromiter((s.request.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
@@ -128,7 +128,7 @@ class ModelRunner:
         rows = np.asarray(logits_indices + prompt_rows, dtype=np.int64)
         meta = build_attention_metadata(q_lens, context_lens, block_tables, num_decodes, self.block_size,
                                         self.device, rows, compact_prefill_blocks=self.kv_quantized)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
         idx = torch.from_numpy(rows).to(self.device)
         t1 = time.perf_counter()
         connector = self.connector

@@ -197,10 +197,15 @@ class Scheduler:
             if self._allocate_or_preempt(request, num_new, step):
                 step.add(request, num_new)
         self._schedule_prompts(step)
+        # Single-token rows first, as the runner packs them (each group in running order).
+        later: list[ScheduledRequest] = []
         for request in self.running:
             n = step.scheduled.get(request.request_id)
             if n:
-                step.out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
+                (step.out.scheduled if n == 1 else later).append(
+                    ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
+        step.out.scheduled += later
+        step.out.decodes_first = True
         if step.out.scheduled:
             step.out.connector_meta = self.connector.build_step(step.out.scheduled)
         step.out.freed_request_ids = self.kv.take_freed()

@@ -31,6 +31,9 @@ class SchedulerOutput:
     # Requests whose blocks were freed since the last step (finished, aborted, preempted): the runner
     # drops what it kept for them (their block-table rows).
     freed_request_ids: list[str] = field(default_factory=list)
+    # The single-token rows come first in `scheduled` (the scheduler orders them so), so the runner
+    # need not sort them there.
+    decodes_first: bool = False
 
     @property
     def total_num_tokens(self) -> int:

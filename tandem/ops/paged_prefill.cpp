@@ -28,6 +28,8 @@
 namespace tandem_ops {
 namespace {
 
+constexpr int64_t kFewQueryRows = 48;  // query rows (queries x heads per kv head) a few tiles serve best
+
 // Checks the host-side metadata (cheap next to the attention) so a bad entry raises instead of
 // reading outside the pool.
 void validate(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
@@ -231,9 +233,14 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
               "paged_prefill_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   validate(P, N, k_cache.size(0));
 #if defined(__AVX512F__)
+  // A few queries per sequence over a long context (speculative verification): the 16-row tiles read
+  // each key once per 16 rows, where the brgemm path's blocks are mostly padding.
+  int64_t longest_query = 0;
+  for (int64_t s = 0; s < N; ++s)
+    longest_query = std::max<int64_t>(longest_query, P.query_start[s + 1] - P.query_start[s]);
   if (q.scalar_type() == at::kFloat)
     run_prefill_tiles<float>(P, N);
-  else if (prefill_brgemm_usable(D))
+  else if (prefill_brgemm_usable(D) && longest_query * P.group > kFewQueryRows)
     run_prefill_brgemm(P, N);
   else
     run_prefill_tiles<bf16>(P, N);
