@@ -83,21 +83,34 @@ struct PanelStore {
 template <int MR>
 void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, int64_t n, const float* bias, bf16* y,
                 int64_t ldy) {
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < KP; ++kp) {
+  // With up to four rows, the dpbf16 chains of a row wait on each other's latency: pairs along K
+  // take turns between S sets of chains, summed at the end (1 row: 12.3 to 9.0 ms for the model).
+  constexpr int S = MR <= 4 ? 2 : 1;
+  __m512 acc[S][MR][2];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < MR; ++r) acc[s][r][0] = acc[s][r][1] = _mm512_setzero_ps();
+  auto step = [&](int s, int64_t kp) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * kPanel + 16);
     for (int r = 0; r < MR; ++r) {
       uint32_t pair;  // x[r][2kp], x[r][2kp + 1]
       std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof(pair));
       const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xp, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xp, w1);
+      acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], xp, w0);
+      acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], xp, w1);
     }
-  }
+  };
+  int64_t kp = 0;
+  for (; kp + S <= KP; kp += S)
+    for (int s = 0; s < S; ++s) step(s, kp + s);
+  for (; kp < KP; ++kp) step(0, kp);
+  for (int s = 1; s < S; ++s)
+    for (int r = 0; r < MR; ++r) {
+      acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[s][r][0]);
+      acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[s][r][1]);
+    }
   const PanelStore out(n, bias);
-  for (int r = 0; r < MR; ++r) out.row(acc[r][0], acc[r][1], y + r * ldy);
+  for (int r = 0; r < MR; ++r) out.row(acc[0][r][0], acc[0][r][1], y + r * ldy);
 }
 
 // Rows of x in blocks of kBrgemmRows against one panel (oneDNN's brgemm micro-kernel reads the
