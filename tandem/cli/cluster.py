@@ -42,11 +42,37 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
     elif num_local:
         launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
-                              args.routing_guard_ratio, paths=args.path_policy,
-                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
-    planner = PlannerSettings(args.planner == "on", args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
-                              args.planner_interval, window_s=args.planner_window, dwell_s=args.planner_dwell)
+                              args.routing_guard_ratio, paths=args.path_policy, slo=slo)
+    planner = PlannerSettings(args.planner == "on", slo.ttft_s, slo.tpot_s, args.planner_interval,
+                              window_s=args.planner_window, dwell_s=args.planner_dwell, margin=args.planner_margin)
+    predictor = (planner_predictor(args.planner_profile, slo, args.path_policy)
+                 if planner.enabled and args.planner_profile else None)
     settings = RouterSettings(bind=bind, secret=secret,
                               expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
-    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner)
+    return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner,
+                        predictor=predictor)
+
+
+def planner_profiles(specs: list[str]) -> dict[str, str]:
+    """--planner-profile values: "PATH" (every role) or "ROLE=PATH"; colocated's is every other's default."""
+    roles = ("colocated", "prefill", "decode")
+    paths: dict[str, str] = {}
+    for spec in specs:
+        role, sep, path = spec.partition("=")
+        if sep and role in roles:
+            paths[role] = path
+        elif sep and not any(c in role for c in "/\\."):
+            raise ValueError(f"--planner-profile {spec!r}: the role is one of {', '.join(roles)}")
+        else:
+            paths.update(dict.fromkeys(roles, spec))
+    if "colocated" not in paths:
+        paths["colocated"] = next(iter(paths.values()))
+    return paths
+
+
+def planner_predictor(specs: list[str], slo: Any, path_policy: str) -> Any:
+    from tandem.sim.predict import SimPredictor
+
+    return SimPredictor.from_profiles(planner_profiles(specs), slo, path_policy)

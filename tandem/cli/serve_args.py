@@ -115,4 +115,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     pl.add_argument("--planner-dwell", type=float, default=120.0, help="seconds after an action before the next")
     pl.add_argument("--planner-window", type=float, default=60.0,
                     help="seconds of finished requests and arrivals the planner judges and forecasts from")
+    pl.add_argument("--planner-profile", action="append", default=None, metavar="[ROLE=]PATH",
+                    help="a `tandem profile` JSON of a worker's engine: the planner then predicts before it acts, "
+                    "scoring each move by the goodput the simulator gives it on the forecast load; ROLE=PATH "
+                    "(colocated, prefill, decode) for one role's own (repeatable; a bare PATH is every role's)")
+    pl.add_argument("--planner-margin", type=float, default=0.1,
+                    help="predictive: a move's predicted goodput must beat staying's by this fraction")
     return srv

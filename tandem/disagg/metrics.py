@@ -40,6 +40,8 @@ class ClusterSnapshot:
     restarts: int
     planner_flips: dict[tuple[str, str], int] | None = None  # (from role, to role) -> flips; None: no planner
     planner_forecast_tok_s: float = 0.0
+    # The predictive planner's last settled prediction: (predicted, measured) goodput, req/s.
+    planner_goodput: tuple[float, float] | None = None
 
 
 class DisaggMetrics:
@@ -98,6 +100,11 @@ class DisaggMetrics:
         self.forecast = Gauge("tandem:router_planner_forecast_prompt_tokens_per_second", "The SLO planner's "
                               "forecast of prompt tokens arriving per second over its next interval.", r,
                               registry=registry)
+        self.goodput = {kind: Gauge(f"tandem:router_planner_{kind}_goodput", f"The predictive planner's last "
+                                    f"settled prediction: the goodput (requests meeting both SLOs per second) {what} "
+                                    "for the requests arriving over its horizon.", r, registry=registry)
+                        for kind, what in (("predicted", "the simulator predicted"),
+                                           ("measured", "then measured"))}
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
@@ -158,6 +165,9 @@ class DisaggMetrics:
                 meas.clear()
         if cluster.planner_flips is not None:
             self.forecast.labels(m).set(cluster.planner_forecast_tok_s)
+        if cluster.planner_goodput is not None:
+            for kind, value in zip(("predicted", "measured"), cluster.planner_goodput, strict=True):
+                self.goodput[kind].labels(m).set(value)
         for wid, n in c.requests.items():
             self._inc(self.requests, (m, wid), n)
         for path, n in c.routed.items():

@@ -20,6 +20,14 @@ from_role (add) or to_role (remove).
 After an action it waits a dwell time, and forgets what it measured before: the new split
 is judged on its own requests only, so it never flips back and forth on the same evidence
 (Dynamo's 2 <-> 1 replica flapping).
+
+With a Predictor (the simulator on `tandem profile`'s step costs: tandem/sim/predict.py) it predicts
+before it acts instead: each interval it forecasts the next dwell time's load (the arrival rate's
+trend, the recent requests' prompt and output lengths, the requests in flight), scores staying and
+every move the ladder and the launcher allow by the goodput the predictor gives it (a move's drain and
+start-up included, the moved worker missing meanwhile), and acts only when the best beats staying by
+a margin. Each action's prediction (and, once a horizon, staying's) is settled against the goodput
+then measured on the requests that arrived within it (prediction.py's PredictionLog).
 """
 
 from __future__ import annotations
@@ -31,6 +39,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.disagg.prediction import (
+    Candidate,
+    Forecast,
+    Prediction,
+    PredictionLog,
+    PredictionRecord,
+    Predictor,
+    candidates,
+)
+
+ASSUMED_OUTPUT_TOKENS = 256  # a request without max_tokens, before any has finished to say otherwise
 
 @dataclass
 class PlannerSettings:
@@ -44,6 +63,11 @@ class PlannerSettings:
     min_samples: int = 8  # per side, in the window, before anything is decided
     max_prefill_load: float = 0.9  # forecast prompt tokens/s over prefill capacity above which it needs more
     idle_headroom: float = 0.25  # elastic: both p90s within this fraction of their SLOs lets a worker go
+    # Predictive (with a Predictor): the best move's predicted goodput must beat staying's by this
+    # fraction and by min_gain_rps, over a horizon of the dwell time (the least an action holds).
+    margin: float = 0.1
+    min_gain_rps: float = 0.01
+    startup_s: float = 10.0  # a new worker's start-up until it serves, until one has been measured
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,8 @@ class PlannerAction:
     from_role: str
     to_role: str
     reason: str
+    predicted_goodput: float | None = None  # predictive: what the move was predicted to give
+    baseline_goodput: float | None = None  # and staying
 
 
 def p90(values: list[float]) -> float:
@@ -92,38 +118,78 @@ def more_decode(roles: dict[str, int]) -> tuple[str, str] | None:
 
 
 class Planner:
-    def __init__(self, settings: PlannerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: PlannerSettings, clock: Callable[[], float] = time.monotonic,
+                 predictor: Predictor | None = None) -> None:
         self.settings = settings
         self.clock = clock
+        self.predictor = predictor
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
-        self._arrivals: deque[tuple[float, float]] = deque()  # (time, prompt tokens)
+        self._arrivals: deque[tuple[float, float, int | None]] = deque()  # (time, prompt tokens, max_tokens)
+        self._outputs: deque[tuple[float, int]] = deque()  # (time, output tokens) of finished requests
         self._last_action = -float("inf")
+        self._decisions = 0
         self.actions: list[PlannerAction] = []
         self.last_forecast_tok_s = 0.0
+        self.predictions = PredictionLog()
+        self.last_scores: list[tuple[Candidate, Prediction]] = []  # the last predictive decision's
 
-    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
-        """A request finished with this TTFT and TPOT (None: not measured, e.g. one output token)."""
+    def observe(self, ttft_s: float | None, tpot_s: float | None, arrived_at: float | None = None,
+                output_tokens: int | None = None) -> None:
+        """A request finished with this TTFT and TPOT (None: not measured, e.g. one output token);
+        arrived_at (the planner's clock) lets predictions be settled against it."""
         now = self.clock()
         if ttft_s is not None:
             self._ttft.append((now, ttft_s))
         if tpot_s is not None:
             self._tpot.append((now, tpot_s))
+        if output_tokens:
+            self._outputs.append((now, output_tokens))
+        if arrived_at is not None:
+            s = self.settings
+            met = ttft_s is not None and ttft_s <= s.slo_ttft_s and (tpot_s is None or tpot_s <= s.slo_tpot_s)
+            self.predictions.finished(arrived_at, met)
 
-    def observe_arrival(self, prompt_tokens: int) -> None:
-        self._arrivals.append((self.clock(), float(prompt_tokens)))
+    def observe_arrival(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
+        self._arrivals.append((self.clock(), float(prompt_tokens), max_tokens))
 
-    def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None,
-               can_grow: bool = False, can_shrink: bool = False) -> PlannerAction | None:
-        """roles: routable workers per role; prefill_capacity_tok_s: what the prefill-capable ones
-        measure together (None: unknown, the forecast is not used); can_grow / can_shrink: the
-        launcher can add a worker (room on the cluster) or release one."""
+    def forecast(self, now: float, backlog: list[tuple[int, int]] = ()) -> Forecast:  # type: ignore[assignment]
+        """The next horizon's load: the arrival rate's trend over the window, lengths drawn from the
+        latest half of the window's arrivals (all of them when that holds too few), the backlog."""
         s = self.settings
-        now = self.clock()
-        for samples in (self._ttft, self._tpot, self._arrivals):
+        rate = forecast_rate([(t, 1.0) for t, _, _ in self._arrivals], now, s.window_s, s.interval_s)
+        recent = [a for a in self._arrivals if a[0] > now - s.window_s / 2]
+        if len(recent) < s.min_samples:
+            recent = list(self._arrivals)
+        outputs = [n for _, n in self._outputs]
+        typical = int(np.median(outputs)) if outputs else ASSUMED_OUTPUT_TOKENS
+        mix = tuple((int(p), m or typical) for _, p, m in recent)
+        return Forecast(rate, mix, tuple(backlog))
+
+    def _forget(self, now: float) -> None:
+        s = self.settings
+        for samples in (self._ttft, self._tpot, self._arrivals, self._outputs):
             while samples and samples[0][0] < now - s.window_s:
                 samples.popleft()
-        self.last_forecast_tok_s = forecast_rate(list(self._arrivals), now, s.window_s, s.interval_s)
+        self.predictions.settle(now)
+
+    def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None,
+               can_grow: bool = False, can_shrink: bool = False, backlog: list[tuple[int, int]] = (),  # type: ignore[assignment]
+               switch_s: dict[str, float] | None = None) -> PlannerAction | None:
+        """roles: routable workers per role; prefill_capacity_tok_s: what the prefill-capable ones
+        measure together (None: unknown, the forecast is not used); can_grow / can_shrink: the
+        launcher can add a worker (room on the cluster) or release one. Predictive only: backlog,
+        the requests in flight (prompt tokens, output tokens to come); switch_s, per role, how long
+        moving one of its workers takes (its drain and the new worker's start-up)."""
+        s = self.settings
+        now = self.clock()
+        self._forget(now)
+        self.last_forecast_tok_s = forecast_rate([(t, p) for t, p, _ in self._arrivals], now, s.window_s,
+                                                 s.interval_s)
+        if self.predictor is not None:
+            if now - self._last_action < s.dwell_s or len(self._arrivals) < s.min_samples:
+                return None
+            return self._predict_and_act(roles, now, can_grow, can_shrink, list(backlog), switch_s or {})
         if now - self._last_action < s.dwell_s or min(len(self._ttft), len(self._tpot)) < s.min_samples:
             return None
         ttft, tpot = p90([v for _, v in self._ttft]), p90([v for _, v in self._tpot])
@@ -147,10 +213,53 @@ class Planner:
         if action is None and can_shrink:
             action = self._shrink(roles, now, ttft, tpot, load, n)
         if action is not None:
-            self._last_action = now
-            self._ttft.clear()
-            self._tpot.clear()
-            self.actions.append(action)
+            self._acted(action)
+        return action
+
+    def _acted(self, action: PlannerAction) -> None:
+        self._last_action = action.at
+        self._ttft.clear()
+        self._tpot.clear()
+        self.actions.append(action)
+
+    def moves(self, roles: dict[str, int], can_grow: bool, can_shrink: bool) -> list[tuple[str, str]]:
+        """What the planner may do to this split: one step along the ladder either way, and on an
+        elastic launcher a worker more or fewer of a role."""
+        out = [m for m in (more_prefill(roles), more_decode(roles)) if m is not None]
+        if can_grow:
+            grow = ("colocated",) if not roles.get("prefill") and not roles.get("decode") else ("prefill", "decode")
+            out += [("", role) for role in grow]
+        if can_shrink:
+            out += [(role, "") for role in ("decode", "prefill", "colocated") if roles.get(role, 0) > 0]
+        return out
+
+    def _predict_and_act(self, roles: dict[str, int], now: float, can_grow: bool, can_shrink: bool,
+                         backlog: list[tuple[int, int]], switch_s: dict[str, float]) -> PlannerAction | None:
+        s = self.settings
+        assert self.predictor is not None
+        forecast = self.forecast(now, backlog)
+        horizon = s.dwell_s
+        switch = {role: switch_s.get(role, s.startup_s) for role in ("colocated", "prefill", "decode")}
+        options = candidates(roles, self.moves(roles, can_grow, can_shrink), {**switch, "": s.startup_s})
+        self._decisions += 1
+        # One draw of the forecast for every option (common random numbers): they differ by the split only.
+        scores = [(c, self.predictor.predict(c, forecast, horizon, self._decisions)) for c in options]
+        self.last_scores = scores
+        stay = scores[0][1]
+        best, predicted = max(scores[1:], key=lambda cp: cp[1].goodput_rps, default=scores[0])
+        gain = predicted.goodput_rps - stay.goodput_rps
+        if best.is_stay or gain < max(s.margin * stay.goodput_rps, s.min_gain_rps):
+            last = self.predictions.records[-1].t if self.predictions.records else -float("inf")
+            if now - last >= horizon:  # staying is a prediction too: one a horizon is settled
+                self.predictions.add(PredictionRecord(now, scores[0][0].describe(), False, horizon, stay.goodput_rps,
+                                                      stay.goodput_rps, now + horizon + stay.settle_s))
+            return None
+        reason = (f"{best.describe()}: predicted goodput {predicted.goodput_rps:.3f} req/s over {horizon:.0f} s "
+                  f"against {stay.goodput_rps:.3f} staying ({forecast.rate_rps:.2f} req/s forecast)")
+        action = PlannerAction(now, best.from_role, best.to_role, reason, predicted.goodput_rps, stay.goodput_rps)
+        self.predictions.add(PredictionRecord(now, best.describe(), True, horizon, predicted.goodput_rps,
+                                              stay.goodput_rps, now + horizon + predicted.settle_s))
+        self._acted(action)
         return action
 
     def _grow(self, roles: dict[str, int], now: float, ttft: float, tpot: float, load: float) -> PlannerAction | None:

@@ -7,6 +7,10 @@ WorkerControl (the router's WorkerFleet: the launcher's workers) and a send (a m
 A flip drains the worker first (no new requests are routed to it; the ones it serves finish), then
 stops it and starts a worker of the other role on the same cores, which joins like any worker.
 Nothing in flight fails. Only local workers (started by this router) can be flipped.
+
+With a predictor it also hands the planner the requests in flight (what the next horizon inherits)
+and how long a move from each role would take: the longest remaining output of the worker it would
+drain at that worker's step time, plus a start-up as the last one measured.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
+from tandem.disagg.flight import Flight
 from tandem.disagg.launcher import WorkerSpec
 from tandem.disagg.messages import ROLES
-from tandem.disagg.planner import Planner, PlannerAction, PlannerSettings
+from tandem.disagg.planner import ASSUMED_OUTPUT_TOKENS, Planner, PlannerAction, PlannerSettings
+from tandem.disagg.prediction import Predictor
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.engine.messages import Shutdown
 
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 300.0
 ACTIONS_KEPT = 100
 
 Send = Callable[[WorkerHandle, object], Awaitable[bool]]  # a message to a worker; False: it is gone
@@ -62,18 +69,21 @@ class WorkerControl(Protocol):
 
 class PlannerLoop:
     def __init__(self, settings: PlannerSettings, registry: WorkerRegistry, workers: WorkerControl,
-                 send: Send) -> None:
+                 send: Send, predictor: Predictor | None = None, flights: Mapping[str, Flight] | None = None) -> None:
         self.registry, self.workers, self.send = registry, workers, send
         self.settings = settings
-        self.planner = Planner(settings)
+        self.planner = Planner(settings, predictor=predictor)
+        self.flights: Mapping[str, Flight] = flights if flights is not None else {}
+        self.startup_s = settings.startup_s  # the last new worker's, from its start to its joining
         self.flips: dict[tuple[str, str], int] = {}  # (from role, to role) -> flips carried out
         self.actions: deque[dict] = deque(maxlen=ACTIONS_KEPT)  # what it decided, for the dashboard's timeline
 
-    def observe(self, ttft_s: float, tpot_s: float | None) -> None:
-        self.planner.observe(ttft_s, tpot_s)
+    def observe(self, ttft_s: float, tpot_s: float | None, arrived_at: float | None = None,
+                output_tokens: int | None = None) -> None:
+        self.planner.observe(ttft_s, tpot_s, arrived_at, output_tokens)
 
-    def observe_arrival(self, prompt_tokens: int) -> None:
-        self.planner.observe_arrival(prompt_tokens)
+    def observe_arrival(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
+        self.planner.observe_arrival(prompt_tokens, max_tokens)
 
     def decide(self) -> PlannerAction | None:
         reg = self.registry
@@ -82,8 +92,27 @@ class PlannerLoop:
         capable = [reg.speed(w).prefill_tok_s for w in workers if w.role in PREFILL_CAPABLE]
         # An elastic launcher (Ray) can place a worker more when the cluster has room, and let one go.
         elastic = self.workers.elastic
+        backlog, switch = [], {}
+        if self.planner.predictor is not None:
+            backlog = [(f.request.num_prompt_tokens, self._left(f)) for f in self.flights.values()]
+            switch = {role: self._drain_s(role) + self.startup_s for role in ROLES}
         return self.planner.decide(roles, sum(capable) if capable else None, elastic and self.workers.can_grow(),
-                                   elastic)
+                                   elastic, backlog, switch)
+
+    @staticmethod
+    def _left(flight: Flight) -> int:
+        wanted = flight.request.sampling_params.max_tokens or ASSUMED_OUTPUT_TOKENS
+        return max(wanted - flight.num_output_tokens, 1)
+
+    def _drain_s(self, role: str) -> float:
+        """How long the worker a move from this role would take (the least loaded local one) needs to
+        finish what it serves: its longest remaining output at its step time."""
+        local = [w for w in self.registry.routable(role) if w.local]
+        if not local:
+            return 0.0
+        worker = min(local, key=lambda w: (w.load, w.worker_id))
+        left = [self._left(f) for rid in worker.inflight if (f := self.flights.get(rid)) is not None]
+        return max(left, default=0) * self.registry.speed(worker).step_s
 
     async def run(self) -> None:
         while True:
@@ -92,7 +121,8 @@ class PlannerLoop:
             if action is not None:
                 log.warning("planner: %s -> %s: %s", action.from_role, action.to_role, action.reason)
                 record = {"t": time.time(), "from_role": action.from_role, "to_role": action.to_role,
-                          "reason": action.reason, "outcome": "started"}
+                          "reason": action.reason, "outcome": "started",
+                          "predicted_goodput": action.predicted_goodput, "baseline_goodput": action.baseline_goodput}
                 self.actions.append(record)
                 try:
                     record["outcome"] = "done" if await self.flip(action) else "not carried out"
@@ -101,8 +131,16 @@ class PlannerLoop:
                     log.exception("planner: the flip failed")
 
     def view(self) -> dict:
-        return {"enabled": True, "interval_s": self.settings.interval_s,
-                "forecast_prompt_tok_s": self.planner.last_forecast_tok_s, "actions": list(self.actions)}
+        p = self.planner
+        out = {"enabled": True, "interval_s": self.settings.interval_s, "forecast_prompt_tok_s": p.last_forecast_tok_s,
+               "actions": list(self.actions), "predictive": p.predictor is not None}
+        if p.predictor is not None:
+            out["predictions"] = p.predictions.view()
+            out["last_scores"] = [{"option": c.describe(), "predicted_goodput": pr.goodput_rps,
+                                   "ttft_p90_s": pr.ttft_p90_s, "tpot_p90_s": pr.tpot_p90_s}
+                                  for c, pr in p.last_scores]
+            out["startup_s"] = self.startup_s
+        return out
 
     async def flip(self, action: PlannerAction) -> bool:
         """Carry out an action: a role change (drain, stop, start the other role on its cores), or on an
@@ -121,11 +159,22 @@ class PlannerLoop:
                 fleet.release(retired)
         elif action.to_role:
             new_id = fleet.add(action.to_role)
-        if new_id is not None:
-            log.warning("planner: %s starts on cores %s", new_id, fleet.spec(new_id).cores)
         key = (action.from_role, action.to_role)
         self.flips[key] = self.flips.get(key, 0) + 1
+        if new_id is not None:
+            log.warning("planner: %s starts on cores %s", new_id, fleet.spec(new_id).cores)
+            await self._joined(new_id)
         return True
+
+    async def _joined(self, worker_id: str) -> None:
+        """Until the new worker joins: how long that took is the next move's start-up."""
+        started = time.monotonic()
+        while time.monotonic() - started < JOIN_TIMEOUT_S:
+            if any(w.worker_id == worker_id for w in self.registry.live()):
+                self.startup_s = time.monotonic() - started
+                log.warning("planner: %s joined after %.1f s", worker_id, self.startup_s)
+                return
+            await asyncio.sleep(0.2)
 
     async def _retire(self, role: str) -> str | None:
         """Drain the least-loaded local worker of the role and stop it; its id (None: none could go)."""

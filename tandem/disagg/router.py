@@ -35,6 +35,7 @@ from tandem.disagg.messages import Aborted, Alive, FlightReply, Forget, Hello, R
 from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
 from tandem.disagg.planner import PlannerSettings
 from tandem.disagg.planning import PlannerLoop
+from tandem.disagg.prediction import Predictor
 from tandem.disagg.registry import WorkerHandle, WorkerRegistry
 from tandem.disagg.restarts import Restarter
 from tandem.disagg.routing import Router, RoutingSettings
@@ -55,7 +56,8 @@ REFUSED_PEERS = 1024  # peers whose refusal was logged; an identity is chosen by
 class DisaggEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, settings: RouterSettings,
                  launch: Launcher | None = None,  # the workers this router starts (None: all remote)
-                 routing: RoutingSettings | None = None, planner: PlannerSettings | None = None) -> None:
+                 routing: RoutingSettings | None = None, planner: PlannerSettings | None = None,
+                 predictor: Predictor | None = None) -> None:
         super().__init__(tokenizer)
         self.config = config
         self.settings = settings
@@ -67,7 +69,7 @@ class DisaggEngine(EngineClient):
         self.dispatch = Dispatcher(settings, self.registry, self.router, routing.slo, routing.paths, self._send,
                                    self._deliver_outputs, self.counters)
         self.fleet = WorkerFleet(launch)
-        self.planning = (PlannerLoop(planner, self.registry, self.fleet, self._send)
+        self.planning = (PlannerLoop(planner, self.registry, self.fleet, self._send, predictor, self.flights)
                          if planner is not None and planner.enabled else None)
         self.address = ""
         self._ctx = zmq.asyncio.Context()
@@ -152,8 +154,11 @@ class DisaggEngine(EngineClient):
 
     def _snapshot(self) -> ClusterSnapshot:
         p = self.planning
+        settled = p.planner.predictions.last_settled() if p is not None else None
+        goodput = (settled.predicted_rps, settled.measured_rps or 0.0) if settled is not None else None
         return ClusterSnapshot(self.workers.values(), self.counters, self.restarter.count,
-                               p.flips if p is not None else None, p.planner.last_forecast_tok_s if p else 0.0)
+                               p.flips if p is not None else None, p.planner.last_forecast_tok_s if p else 0.0,
+                               goodput)
 
     @property
     def healthy(self) -> bool:
@@ -293,7 +298,7 @@ class DisaggEngine(EngineClient):
             record.predicted_tpot_s.append(flight.predicted_tpot_s)
             record.measured_tpot_s.append(tpot)
         if self.planning is not None and ttft is not None:
-            self.planning.observe(ttft, tpot)
+            self.planning.observe(ttft, tpot, flight.request.arrival_time, flight.num_output_tokens)
 
     # -- requests -----------------------------------------------------------------------------
     def _submit(self, requests: list[Request]) -> None:
@@ -301,7 +306,7 @@ class DisaggEngine(EngineClient):
             flight = Flight(request)
             self.flights[request.request_id] = flight
             if self.planning is not None:
-                self.planning.observe_arrival(request.num_prompt_tokens)
+                self.planning.observe_arrival(request.num_prompt_tokens, request.sampling_params.max_tokens)
             self._start_routing(flight)
 
     def _start_routing(self, flight: Flight) -> None:

@@ -94,7 +94,10 @@ def calibrate(cost: FittedCost, serve_argv: list[str], tokenizer: Tokenizer, log
     os.sched_setaffinity(0, range(os.cpu_count() or 1))
     try:
         with log_path.open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), *serve_argv],
+            # Admission off: the calibration times the batches it sends; a slow machine's server would
+            # refuse some of them against its default SLOs.
+            proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), *serve_argv,
+                                     "--admission", "off"],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         os.sched_setaffinity(0, pinned)

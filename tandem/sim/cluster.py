@@ -114,8 +114,11 @@ class SimResult:
 class ClusterSim:
     def __init__(self, deployment: Deployment, costs: dict[str, CostModel], scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, max_model_len: int, record_steps: bool = False,
-                 store: SimStore | None = None) -> None:
+                 store: SimStore | None = None, joins_at: dict[str, float] | None = None) -> None:
         self.deployment = deployment
+        # Instances (by name) that join late, as a worker the planner starts does: the router sends
+        # them nothing before.
+        self.joins_at = joins_at or {}
         self.cache_config = cache_config
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -187,18 +190,22 @@ class ClusterSim:
                           None) if self._kv_routing else []
         num_blocks = -(-len(prompt) // self.cache_config.block_size)
         d = self.deployment
-        whole = not d.is_disaggregated or (d.colocated and len(prompt) <= d.mixed_threshold)
-        if whole:
-            worker = self._pick(keys, num_blocks, self.pools["colocated"])
+        up = {role: [w for w in pool if self.joins_at.get(w.name, 0.0) <= self.now]
+              for role, pool in self.pools.items()}
+        disaggregated = bool(up["decode"]) and (d.decode_alone or bool(up["prefill"] or up["colocated"]))
+        if not disaggregated or (up["colocated"] and len(prompt) <= d.mixed_threshold):
+            # Whole on one instance: a colocated one, else a decode instance prefills the prompt itself.
+            worker = self._pick(keys, num_blocks, up["colocated"] or up["decode"])
             self.at(self.now + self.hop_s, lambda: self._add(worker, request))
             return
-        decode = self._pick(keys, num_blocks, self.pools["decode"])
-        prefill = None if d.decode_alone else self._pick(keys, num_blocks,
-                                                         self.pools["prefill"] + self.pools["colocated"])
+        decode = self._pick(keys, num_blocks, up["decode"])
+        prefill = None if d.decode_alone else self._pick(keys, num_blocks, up["prefill"] + up["colocated"])
         self._awaiting_prefill[rid] = (request, prefill)
         self.at(self.now + self.hop_s, lambda: self._reserve(decode, request))
 
     def _pick(self, keys: list[int], num_blocks: int, pool: list[SimInstance]) -> SimInstance:
+        if not pool:
+            raise ValueError("no instance of the deployment can serve this request yet")
         pick = self.router.pick(keys, num_blocks, pool)  # type: ignore[arg-type]
         assert pick is not None
         worker: SimInstance = pick.worker  # type: ignore[assignment]
