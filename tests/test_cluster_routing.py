@@ -7,21 +7,33 @@ whichever worker serves them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from server_utils import Server, running_server
 from test_disaggregation import metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
 
 from tandem import SamplingParams
+from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "128",
         "--workers", "2", "--worker-cores", "0", "1", "--worker-heartbeat-timeout", "3")
+
+
+def step_profile(step_s: float) -> FittedCost:
+    """A profile whose every step takes step_s, whatever it holds."""
+    coefficients = [step_s] + [0.0] * (len(DEFAULT_KNOTS) + 4)
+    return FittedCost(coefficients, list(DEFAULT_KNOTS), 1000.0, 30, 1 << 16, {"shm": TransferFit(1e-3, 1e9)},
+                      "shm", 0.0, min_step_s=0.0, engine={"max_num_batched_tokens": 128})
 
 
 def routed(s: Server) -> dict[str, tuple[float, float]]:
@@ -67,15 +79,21 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], llm_fp32)
         wait_blocks_free(s)
 
 
-def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_misses(
-        passages: list[str], llm_fp32) -> None:  # noqa: ANN001
-    """An SLO only TPOT can miss, on two colocated workers: after enough requests one is drained and
-    restarted as a decode worker, no request fails meanwhile, the dwell time stops a second move, and
-    then the other (colocated) worker prefills for it: greedy outputs equal the offline engine's
-    on either path. (The disaggregated path policy makes the path after the flip certain; which path the
-    slo policy takes is tests/test_paths.py's.)"""
-    args = (*ARGS, "--planner", "on", "--slo-ttft-ms", "100000", "--slo-tpot-ms", "1", "--planner-interval", "1",
-            "--planner-dwell", "600", "--path-policy", "disaggregated")
+def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_worker_into_one(
+        passages: list[str], llm_fp32, tmp_path) -> None:  # noqa: ANN001
+    """The predictive planner on two colocated workers, given profiles in which a colocated worker's
+    step is slow and a decode worker's fast (so that the simulator must find that moving a worker to
+    decode wins): after enough arrivals one is drained and restarted as a decode worker, no request
+    fails meanwhile, the dwell time stops a second move, and then the other (colocated) worker
+    prefills for it: greedy outputs equal the offline engine's on either path. (The disaggregated
+    path policy makes the path after the flip certain; which path the slo policy takes is
+    tests/test_paths.py's.)"""
+    profiles = {"colocated": step_profile(0.5), "decode": step_profile(0.001)}
+    for role, profile in profiles.items():
+        (tmp_path / f"{role}.json").write_text(json.dumps(profile.to_json()))
+    args = (*ARGS, "--planner", "on", "--slo-ttft-ms", "100000", "--slo-tpot-ms", "30", "--planner-interval", "1",
+            "--planner-dwell", "600", "--path-policy", "disaggregated",
+            *(f for role in profiles for f in ("--planner-profile", f"{role}={tmp_path / role}.json")))
     texts = [f"{p[:160]} In short," for p in passages[:5]]
     greedy = SamplingParams(temperature=0, max_tokens=6)
     expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm_fp32.generate(texts, greedy)]
@@ -87,7 +105,7 @@ def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_mis
             assert time.monotonic() < deadline, "the planner did not act"
             assert run_all(s, texts, max_tokens=6) == expected  # every request succeeds, flip or not
             rounds += 1
-        assert rounds >= 2  # it waited for enough evidence (8 requests)
+        assert rounds >= 2  # it waited for enough evidence (8 arrivals)
         deadline = time.monotonic() + 120
         while metric_or_zero(s, "worker_up", worker="decode-0") != 1:
             assert time.monotonic() < deadline, "the flipped worker did not join as a decode worker"
@@ -99,8 +117,15 @@ def test_the_planner_turns_a_colocated_worker_into_a_decode_worker_when_tpot_mis
         assert metric(s, "router_planner_flips", **flips) == 1  # the dwell holds
         # The dashboard's view of it: the action on the planner's timeline, the new worker in the map.
         view = httpx.get(f"{s.url}/v1/cluster", timeout=10).json()
-        [action] = view["planner"]["actions"]
+        jsonschema.validate(view, json.loads((ROOT / "tandem/serve/cluster_schema.json").read_text()))
+        planner = view["planner"]
+        [action] = planner["actions"]
         assert (action["from_role"], action["to_role"], action["outcome"]) == ("colocated", "decode", "done")
+        assert planner["predictive"] and action["predicted_goodput"] > action["baseline_goodput"]
+        assert "predicted goodput" in action["reason"]
+        assert {o["option"] for o in planner["last_scores"]} >= {"stay at 2C", "colocated -> decode (1D1C)"}
+        [record] = [r for r in planner["predictions"] if r["acted"]]
+        assert record["predicted_goodput"] == action["predicted_goodput"] and record["measured_goodput"] is None
         assert sorted(w["role"] for w in view["workers"] if w["state"] == "up") == ["colocated", "decode"]
         assert metric(s, "router_worker_deaths") == 0 and metric(s, "router_colocated_fallbacks") == 0
         # Every request measured against its prediction, by the path it took.

@@ -6,11 +6,14 @@ goodput measured on the requests that arrived within its horizon."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tandem.cli.cluster import planner_profiles
 from tandem.config import CacheConfig, SchedulerConfig
+from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics
 from tandem.disagg.planner import Planner, PlannerSettings
 from tandem.disagg.prediction import Candidate, Forecast, Prediction, Split, candidates
+from tandem.disagg.settings import RouterCounters
 from tandem.sim.cluster import ClusterSim, Deployment, SimSession, SimTurn
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
 from tandem.sim.predict import SimPredictor
@@ -179,6 +182,13 @@ def test_a_worker_that_joins_late_gets_nothing_before_it_joins() -> None:
     early, late = res.instances
     assert late.name == "c1" and late.steps and min(s.start for s in late.steps) >= 6.0
     assert min(s.start for s in early.steps) == 0.0
+
+
+def test_the_last_settled_prediction_is_exported() -> None:
+    registry = CollectorRegistry()
+    DisaggMetrics(registry, "m").collect(ClusterSnapshot([], RouterCounters(), 0, {}, 0.0, (1.25, 0.75)))
+    assert registry.get_sample_value("tandem:router_planner_predicted_goodput", {"model_name": "m"}) == 1.25
+    assert registry.get_sample_value("tandem:router_planner_measured_goodput", {"model_name": "m"}) == 0.75
 
 
 def test_planner_profile_flags() -> None:

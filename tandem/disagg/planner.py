@@ -46,6 +46,7 @@ from tandem.disagg.prediction import (
     PredictionLog,
     PredictionRecord,
     Predictor,
+    Question,
     candidates,
 )
 
@@ -166,12 +167,15 @@ class Planner:
         mix = tuple((int(p), m or typical) for _, p, m in recent)
         return Forecast(rate, mix, tuple(backlog))
 
-    def _forget(self, now: float) -> None:
+    def _refresh(self, now: float) -> None:
+        """Forget what left the window, settle the predictions whose horizon is over, forecast."""
         s = self.settings
         for samples in (self._ttft, self._tpot, self._arrivals, self._outputs):
             while samples and samples[0][0] < now - s.window_s:
                 samples.popleft()
         self.predictions.settle(now)
+        self.last_forecast_tok_s = forecast_rate([(t, p) for t, p, _ in self._arrivals], now, s.window_s,
+                                                 s.interval_s)
 
     def decide(self, roles: dict[str, int], prefill_capacity_tok_s: float | None = None,
                can_grow: bool = False, can_shrink: bool = False, backlog: list[tuple[int, int]] = (),  # type: ignore[assignment]
@@ -181,15 +185,12 @@ class Planner:
         launcher can add a worker (room on the cluster) or release one. Predictive only: backlog,
         the requests in flight (prompt tokens, output tokens to come); switch_s, per role, how long
         moving one of its workers takes (its drain and the new worker's start-up)."""
+        if self.predictor is not None:
+            question = self.ask(roles, can_grow, can_shrink, backlog, switch_s)
+            return None if question is None else self.conclude(question, question.answer(self.predictor))
         s = self.settings
         now = self.clock()
-        self._forget(now)
-        self.last_forecast_tok_s = forecast_rate([(t, p) for t, p, _ in self._arrivals], now, s.window_s,
-                                                 s.interval_s)
-        if self.predictor is not None:
-            if now - self._last_action < s.dwell_s or len(self._arrivals) < s.min_samples:
-                return None
-            return self._predict_and_act(roles, now, can_grow, can_shrink, list(backlog), switch_s or {})
+        self._refresh(now)
         if now - self._last_action < s.dwell_s or min(len(self._ttft), len(self._tpot)) < s.min_samples:
             return None
         ttft, tpot = p90([v for _, v in self._ttft]), p90([v for _, v in self._tpot])
@@ -233,17 +234,27 @@ class Planner:
             out += [(role, "") for role in ("decode", "prefill", "colocated") if roles.get(role, 0) > 0]
         return out
 
-    def _predict_and_act(self, roles: dict[str, int], now: float, can_grow: bool, can_shrink: bool,
-                         backlog: list[tuple[int, int]], switch_s: dict[str, float]) -> PlannerAction | None:
+    def ask(self, roles: dict[str, int], can_grow: bool = False, can_shrink: bool = False,
+            backlog: list[tuple[int, int]] = (), switch_s: dict[str, float] | None = None  # type: ignore[assignment]
+            ) -> Question | None:
+        """Predictive: the options to score now and the load to score them on (None: nothing to
+        decide yet, within the dwell or on too few arrivals). Answer it (Question.answer: the
+        simulator's work, which may run off the event loop), then conclude()."""
         s = self.settings
-        assert self.predictor is not None
-        forecast = self.forecast(now, backlog)
-        horizon = s.dwell_s
-        switch = {role: switch_s.get(role, s.startup_s) for role in ("colocated", "prefill", "decode")}
+        now = self.clock()
+        self._refresh(now)
+        if now - self._last_action < s.dwell_s or len(self._arrivals) < s.min_samples:
+            return None
+        switch = {role: (switch_s or {}).get(role, s.startup_s) for role in ("colocated", "prefill", "decode")}
         options = candidates(roles, self.moves(roles, can_grow, can_shrink), {**switch, "": s.startup_s})
         self._decisions += 1
-        # One draw of the forecast for every option (common random numbers): they differ by the split only.
-        scores = [(c, self.predictor.predict(c, forecast, horizon, self._decisions)) for c in options]
+        return Question(now, options, self.forecast(now, list(backlog)), s.dwell_s, self._decisions)
+
+    def conclude(self, question: Question, predictions: list[Prediction]) -> PlannerAction | None:
+        """The best option if it beats staying by the margin; every decision's prediction of staying
+        (one a horizon) and every action's go to the log, to be settled."""
+        s, now, horizon = self.settings, question.at, question.horizon_s
+        scores = list(zip(question.options, predictions, strict=True))
         self.last_scores = scores
         stay = scores[0][1]
         best, predicted = max(scores[1:], key=lambda cp: cp[1].goodput_rps, default=scores[0])
@@ -255,7 +266,7 @@ class Planner:
                                                       stay.goodput_rps, now + horizon + stay.settle_s))
             return None
         reason = (f"{best.describe()}: predicted goodput {predicted.goodput_rps:.3f} req/s over {horizon:.0f} s "
-                  f"against {stay.goodput_rps:.3f} staying ({forecast.rate_rps:.2f} req/s forecast)")
+                  f"against {stay.goodput_rps:.3f} staying ({question.forecast.rate_rps:.2f} req/s forecast)")
         action = PlannerAction(now, best.from_role, best.to_role, reason, predicted.goodput_rps, stay.goodput_rps)
         self.predictions.add(PredictionRecord(now, best.describe(), True, horizon, predicted.goodput_rps,
                                               stay.goodput_rps, now + horizon + predicted.settle_s))

@@ -85,19 +85,33 @@ class PlannerLoop:
     def observe_arrival(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
         self.planner.observe_arrival(prompt_tokens, max_tokens)
 
-    def decide(self) -> PlannerAction | None:
+    def _inputs(self) -> tuple[dict[str, int], float | None, bool, bool]:
         reg = self.registry
         workers = reg.routable()
         roles = {role: sum(w.role == role for w in workers) for role in ROLES}
         capable = [reg.speed(w).prefill_tok_s for w in workers if w.role in PREFILL_CAPABLE]
         # An elastic launcher (Ray) can place a worker more when the cluster has room, and let one go.
         elastic = self.workers.elastic
-        backlog, switch = [], {}
-        if self.planner.predictor is not None:
-            backlog = [(f.request.num_prompt_tokens, self._left(f)) for f in self.flights.values()]
-            switch = {role: self._drain_s(role) + self.startup_s for role in ROLES}
-        return self.planner.decide(roles, sum(capable) if capable else None, elastic and self.workers.can_grow(),
-                                   elastic, backlog, switch)
+        return roles, sum(capable) if capable else None, elastic and self.workers.can_grow(), elastic
+
+    def decide(self) -> PlannerAction | None:
+        """The reactive planner's decision (the predictive one runs in decide_async)."""
+        roles, capacity, can_grow, can_shrink = self._inputs()
+        return self.planner.decide(roles, capacity, can_grow, can_shrink)
+
+    async def decide_async(self) -> PlannerAction | None:
+        """Predictive: the question is put on the event loop (it reads the live state), the simulator
+        answers it in a thread so that routing and streaming go on meanwhile."""
+        predictor = self.planner.predictor
+        if predictor is None:
+            return self.decide()
+        roles, _, can_grow, can_shrink = self._inputs()
+        backlog = [(f.request.num_prompt_tokens, self._left(f)) for f in self.flights.values()]
+        switch = {role: self._drain_s(role) + self.startup_s for role in ROLES}
+        question = self.planner.ask(roles, can_grow, can_shrink, backlog, switch)
+        if question is None:
+            return None
+        return self.planner.conclude(question, await asyncio.to_thread(question.answer, predictor))
 
     @staticmethod
     def _left(flight: Flight) -> int:
@@ -117,7 +131,11 @@ class PlannerLoop:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.settings.interval_s)
-            action = self.decide()
+            try:
+                action = await self.decide_async()
+            except Exception:  # a prediction that fails leaves the split as it is
+                log.exception("planner: the decision failed")
+                continue
             if action is not None:
                 log.warning("planner: %s -> %s: %s", action.from_role, action.to_role, action.reason)
                 record = {"t": time.time(), "from_role": action.from_role, "to_role": action.to_role,
@@ -135,7 +153,7 @@ class PlannerLoop:
         out = {"enabled": True, "interval_s": self.settings.interval_s, "forecast_prompt_tok_s": p.last_forecast_tok_s,
                "actions": list(self.actions), "predictive": p.predictor is not None}
         if p.predictor is not None:
-            out["predictions"] = p.predictions.view()
+            out["predictions"] = p.predictions.view(p.clock())
             out["last_scores"] = [{"option": c.describe(), "predicted_goodput": pr.goodput_rps,
                                    "ttft_p90_s": pr.ttft_p90_s, "tpot_p90_s": pr.tpot_p90_s}
                                   for c, pr in p.last_scores]

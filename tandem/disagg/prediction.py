@@ -95,6 +95,20 @@ class Predictor(Protocol):
         """The goodput over the next horizon_s were the candidate carried out now."""
 
 
+@dataclass(frozen=True)
+class Question:
+    """One predictive decision: the options (staying first) to score on one forecast."""
+
+    at: float
+    options: list[Candidate]
+    forecast: Forecast
+    horizon_s: float
+    seed: int  # one draw of the forecast for every option (common random numbers)
+
+    def answer(self, predictor: Predictor) -> list[Prediction]:
+        return [predictor.predict(c, self.forecast, self.horizon_s, self.seed) for c in self.options]
+
+
 def candidates(roles: dict[str, int], moves: list[tuple[str, str]], switch_s: dict[str, float]) -> list[Candidate]:
     """Staying first, then each move (from_role, to_role; an empty side adds or releases a worker) that
     leaves a split able to serve. switch_s: how long a move from a role takes (its worker drains and
@@ -126,8 +140,8 @@ class PredictionRecord:
             return None
         return (self.predicted_rps - self.measured_rps) / self.measured_rps
 
-    def view(self) -> dict:
-        return {"t": self.t, "label": self.label, "acted": self.acted, "horizon_s": self.horizon_s,
+    def view(self, now: float) -> dict:
+        return {"age_s": now - self.t, "label": self.label, "acted": self.acted, "horizon_s": self.horizon_s,
                 "predicted_goodput": self.predicted_rps, "baseline_goodput": self.baseline_rps,
                 "measured_goodput": self.measured_rps, "error": self.error}
 
@@ -166,5 +180,5 @@ class PredictionLog:
     def last_settled(self) -> PredictionRecord | None:
         return next((r for r in reversed(self.records) if r.measured_rps is not None), None)
 
-    def view(self) -> list[dict]:
-        return [r.view() for r in self.records]
+    def view(self, now: float) -> list[dict]:
+        return [r.view(now) for r in self.records]

@@ -175,14 +175,28 @@ function drawPlanner(data) {
   head.textContent = `on · decides every ${data.planner.interval_s} s · forecast ` +
     `${fmt(data.planner.forecast_prompt_tok_s, 0)} prompt tok/s · ${actions.length} actions`;
   box.appendChild(head);
+  if (data.planner.predictive) drawPredictions(box, data.planner);
   if (!actions.length) return;
+  box.appendChild(rowsTable(["time", "from", "to", "outcome", "why"], actions.slice().reverse().map((a) =>
+    [new Date(a.t * 1000).toLocaleTimeString(), a.from_role || "(new)", a.to_role || "(released)", a.outcome,
+      a.reason])));
+}
+
+function rowsTable(columns, rows) {
   const table = document.createElement("table");
-  table.innerHTML = "<thead><tr><th>time</th><th>from</th><th>to</th><th>outcome</th><th>why</th></tr></thead>";
+  const head = document.createElement("tr");
+  for (const c of columns) {
+    const th = document.createElement("th");
+    th.textContent = c;
+    head.appendChild(th);
+  }
+  const thead = document.createElement("thead");
+  thead.appendChild(head);
+  table.appendChild(thead);
   const body = document.createElement("tbody");
-  for (const a of actions.slice().reverse()) {
+  for (const row of rows) {
     const tr = document.createElement("tr");
-    for (const c of [new Date(a.t * 1000).toLocaleTimeString(), a.from_role || "(new)", a.to_role || "(released)",
-      a.outcome, a.reason]) {
+    for (const c of row) {
       const td = document.createElement("td");
       td.textContent = c;
       tr.appendChild(td);
@@ -190,7 +204,26 @@ function drawPlanner(data) {
     body.appendChild(tr);
   }
   table.appendChild(body);
-  box.appendChild(table);
+  return table;
+}
+
+// The predictive planner: what it predicted each option would give at its last decision, and each
+// prediction (an action's, or staying's once a horizon) against the goodput then measured.
+function drawPredictions(box, planner) {
+  const scores = document.createElement("div");
+  scores.id = "planner-scores";
+  scores.textContent = "last decision: " + (planner.last_scores || []).map((o) =>
+    `${o.option} ${fmt(o.predicted_goodput, 3)} req/s`).join(" · ");
+  box.appendChild(scores);
+  const rows = (planner.predictions || []).slice().reverse().map((r) => [
+    `${fmt(r.age_s, 0)} s ago`, r.acted ? r.label : `(stayed) ${r.label}`, fmt(r.predicted_goodput, 3),
+    r.measured_goodput === null ? "pending" : fmt(r.measured_goodput, 3),
+    r.error === null ? "" : `${r.error >= 0 ? "+" : ""}${fmt(100 * r.error, 0)}%`]);
+  if (rows.length) {
+    const table = rowsTable(["when", "prediction", "predicted goodput", "measured", "error"], rows);
+    table.id = "planner-predictions";
+    box.appendChild(table);
+  }
 }
 
 // -- charts -----------------------------------------------------------------------------------
