@@ -1,7 +1,8 @@
-"""The SLO planner against static splits of the same two cores, on a trace whose mix shifts (issue #16, part 2).
+"""The SLO planner against static splits of the same two cores, on a trace whose mix shifts (issues #16, #34).
 
-    .venv/bin/python benchmarks/planner.py            # the full run (about 20 min on 2 cores)
+    .venv/bin/python benchmarks/planner.py            # the full run (about 25 min on 2 cores, the profile included)
     .venv/bin/python benchmarks/planner.py --quick    # a smoke check (a few minutes)
+    .venv/bin/python benchmarks/planner.py --seed 1 --reuse-profile --configs cc,cd,planner   # another trace
 
 One trace (Mooncake format, generated from --seed into benchmarks/results/planner_trace.jsonl, Poisson arrivals), in
 phases of --phase-s seconds each, in the order --phases:
@@ -13,13 +14,19 @@ the project's own client (`tandem bench serve`, ignore_eos):
   cc        --workers 2: two colocated workers (each prefills and decodes)
   cd        --workers 1 --decode-workers 1: one colocated worker, one decode worker
   pd        --prefill-workers 1 --decode-workers 1
-  planner   cc with --planner on (--planner-interval, --planner-window, --planner-dwell): it flips a worker along
-            decode <-> colocated as the SLOs and its forecast say
+  planner   cc with --planner on and --planner-profile (--planner-interval, --planner-window, --planner-dwell): it
+            predicts each move's goodput with the simulator and flips a worker along decode <-> colocated when one wins
+  reactive  (not run by default) cc with --planner on and no profile: the planner that reacts to SLO misses
+The planner's profile is a worker's engine as the deployment pins it (`tandem profile --cores 0 --num-threads 1
+--serve-args "--workers 2"`, about 5 min), made once into the results directory (--reuse-profile keeps it, or
+--planner-profile names one).
 Goodput: requests that met both SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms) per second of the trace,
 overall and per phase. While each configuration runs, the router's /metrics are sampled every second (worker_up per
 worker and role; router_planner_flips_total), which gives the roles over time.
+At the end of the planner's run its predictions are read from /v1/cluster (waiting for the last action's horizon to
+be measured): each action's predicted goodput against the goodput then measured.
 Goal: the planner's goodput at least 1.2x the best static split's, with its actions plotted over time against TTFT
-and ITL.
+and ITL; predicted against measured goodput within 20% for its own actions.
 Results: benchmarks/results/planner.json, the plot docs/planner.png; per-run records and logs under
 benchmarks/results/planner/.
 """
@@ -28,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from kv_store_common import fmt, pct, ratio
 from rich.console import Console
@@ -49,7 +58,9 @@ CONFIGS = {
     "cd": ["--workers", "1", "--decode-workers", "1"],
     "pd": ["--prefill-workers", "1", "--decode-workers", "1"],
     "planner": ["--workers", "2", "--planner", "on"],
+    "reactive": ["--workers", "2", "--planner", "on"],
 }
+PLANNERS = ("planner", "reactive")
 
 
 def make_trace(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
@@ -115,9 +126,12 @@ def summarize(records_path: Path, trace: list[dict[str, Any]], args: argparse.Na
 def run_config(name: str, args: argparse.Namespace, trace_path: Path, trace: list[dict[str, Any]],
                progress: Progress) -> dict[str, Any]:
     flags = [*CONFIGS[name], "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
-    if name == "planner":
+    if name in PLANNERS:
         flags += ["--planner-interval", str(args.planner_interval), "--planner-window", str(args.planner_window),
                   "--planner-dwell", str(args.planner_dwell)]
+    if name == "planner":
+        flags += ["--planner-profile", str(args.planner_profile), "--planner-margin", str(args.planner_margin)]
+    view = None
     with serving(name, flags, args, progress) as server:
         sampler = Sampler(server.url)
         sampler.start()
@@ -127,15 +141,49 @@ def run_config(name: str, args: argparse.Namespace, trace_path: Path, trace: lis
                          "--save-result", "--result-dir", str(args.out_dir), "--result-filename", f"{name}.json",
                          "--disable-tqdm", "--request-timeout", "900"],
                         args.out_dir / f"{name}.client.log", progress, f"{name}: replaying {len(trace)} requests")
+            if name == "planner":
+                view = settled_planner_view(server.url, args.planner_dwell + 60, progress)
         finally:
             sampler.stop.set()
             sampler.join()
     out = summarize(args.out_dir / f"{name}.requests.jsonl", trace, args)
+    if view is not None:
+        out["planner_view"] = view
     # The client's result is stamped when the run ended (to the second): its start is that less its duration.
     client = json.loads((args.out_dir / f"{name}.json").read_text())
     origin = time.mktime(time.strptime(client["date"], "%Y%m%d-%H%M%S")) - client["duration"]
     out["timeline"] = [{**s, "t": s["t"] - origin} for s in sampler.samples]
     return out
+
+
+def settled_planner_view(url: str, patience_s: float, progress: Progress) -> dict[str, Any]:
+    """/v1/cluster's planner once its actions' predictions are measured (or patience runs out)."""
+    task = progress.add_task("planner: waiting for its last action's horizon to be measured", total=None)
+    deadline = time.monotonic() + patience_s
+    while True:
+        view = httpx.get(f"{url}/v1/cluster", timeout=30).json()["planner"]
+        pending = [r for r in view.get("predictions", []) if r["acted"] and r["measured_goodput"] is None]
+        if not pending or time.monotonic() > deadline:
+            progress.remove_task(task)
+            return view
+        time.sleep(2)
+
+
+def prediction_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The planner's actions: predicted and measured goodput, and whether the horizon ended within the trace
+    (one that runs past its end counts arrivals that never came)."""
+    run = results["runs"].get("planner", {})
+    view, timeline = run.get("planner_view"), run.get("timeline", [])
+    if not view or not timeline:
+        return []
+    duration = args.phase_s * len(args.phases.split(","))
+    # Ages are from the moment the view was read, which is after the last timeline sample.
+    read_at = timeline[-1]["t"]
+    rows = []
+    for r in view.get("predictions", []):
+        start = read_at - r["age_s"]
+        rows.append({**r, "start_s": start, "within_trace": start + r["horizon_s"] <= duration})
+    return rows
 
 
 def tables(results: dict[str, Any], phases: list[str]) -> Table:
@@ -220,6 +268,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--planner-interval", type=float, default=2.0)
     p.add_argument("--planner-window", type=float, default=20.0)
     p.add_argument("--planner-dwell", type=float, default=30.0)
+    p.add_argument("--planner-margin", type=float, default=0.1)
+    p.add_argument("--planner-profile", type=Path, default=None,
+                   help="the predictive planner's profile (default: made into the results directory)")
+    p.add_argument("--reuse-profile", action="store_true", help="keep the profile an earlier run made")
     p.add_argument("--seed", type=int, default=0)
     add_server_args(p, ROOT / "results" / "planner", "warning")
     p.add_argument("--plot-path", type=Path, default=ROOT.parent / "docs" / "planner.png")
@@ -229,9 +281,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def worker_profile(args: argparse.Namespace) -> Path:
+    path = args.out_dir / "worker_profile.json"
+    if args.reuse_profile and path.exists():
+        return path
+    console.print("[bold]profile[/]: a worker's engine, one core and one thread, behind --workers 2 (about 5 min)")
+    with (args.out_dir / "profile.log").open("w") as log:
+        subprocess.run([tandem_exe(), "profile", "--cores", "0", "--num-threads", "1", "--serve-args", "--workers 2",
+                        "-o", str(path)], check=True, stdout=log, stderr=subprocess.STDOUT)
+    return path
+
+
 def main() -> int:
     args = parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if "planner" in args.configs.split(",") and args.planner_profile is None:
+        args.planner_profile = worker_profile(args)
     trace_path = ROOT / "results" / "planner_trace.jsonl"
     trace = make_trace(args, trace_path)
     console.print(f"trace: {len(trace)} requests over {args.phase_s * len(args.phases.split(',')):.0f} s "
@@ -245,7 +310,7 @@ def main() -> int:
                 results["runs"][name] = run_config(name, args, trace_path, trace, progress)
             except RunFailed as e:
                 console.print(f"[red]{name} failed: {e}[/]\n{e.detail}")
-    static = [n for n in results["runs"] if n != "planner"]
+    static = [n for n in results["runs"] if n not in PLANNERS]
     if static:
         results["best_static"] = max(static, key=lambda n: results["runs"][n]["goodput"])
     phases = args.phases.split(",")
@@ -256,6 +321,12 @@ def main() -> int:
                                                     results["runs"][best]["goodput"])
         console.print(f"planner / best static ({best}) goodput: {fmt(results['planner_over_best_static'], '.2f')} "
                       "(goal >= 1.2)")
+    results["predictions"] = prediction_rows(results, args)
+    for r in results["predictions"]:
+        err = "" if r["error"] is None else f"{100 * r['error']:+.0f}%"
+        console.print(f"  t={r['start_s']:.0f} s {'acted' if r['acted'] else 'stayed'}: {r['label']}: predicted "
+                      f"{r['predicted_goodput']:.3f} req/s, measured {fmt(r['measured_goodput'], '.3f')} {err}"
+                      f"{'' if r['within_trace'] else ' (horizon past the trace end)'}")
     out = ROOT / "results" / "planner.json"
     out.write_text(json.dumps(results, indent=1))
     plot(results, args, args.plot_path)
