@@ -61,8 +61,10 @@ def test_the_move_the_simulator_shows_best_is_taken() -> None:
     action = planner.decide({"colocated": 1, "decode": 1})
     assert action is not None and (action.from_role, action.to_role) == ("decode", "colocated")
     scores = {c.describe(): p.goodput_rps for c, p in planner.last_scores}
-    assert set(scores) == {"stay at 1D1C", "decode -> colocated (2C)"}
+    assert set(scores) == {"stay at 1D1C", "decode -> colocated (2C)", "colocated -> decode (2D)",
+                           "colocated -> prefill (1P1D)"}  # 1P1C cannot serve: no decode worker for the prefills
     assert action.predicted_goodput == max(scores.values()) == scores["decode -> colocated (2C)"]
+    assert scores["colocated -> prefill (1P1D)"] < scores["decode -> colocated (2C)"]  # still one prefiller
     assert action.predicted_goodput >= 1.1 * action.baseline_goodput
     assert "predicted goodput" in action.reason
     [record] = planner.predictions.records
@@ -93,7 +95,8 @@ def test_a_drain_longer_than_the_horizon_makes_a_winning_move_lose() -> None:
     clock = Clock()
     planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO))
     arrivals(planner, clock, rate=0.5, prompt=768, output=1, seconds=20)
-    assert planner.decide({"colocated": 1, "decode": 1}, switch_s={"decode": 10 * SETTINGS.dwell_s}) is None
+    drains = dict.fromkeys(("colocated", "decode"), 10 * SETTINGS.dwell_s)
+    assert planner.decide({"colocated": 1, "decode": 1}, switch_s=drains) is None
     scores = {c.describe(): p.goodput_rps for c, p in planner.last_scores}
     assert scores["decode -> colocated (2C)"] <= scores["stay at 1D1C"]
 
@@ -105,7 +108,7 @@ class Scripted:
         self.goodput = goodput
 
     def predict(self, candidate: Candidate, forecast: Forecast, horizon_s: float, seed: int) -> Prediction:
-        return Prediction(self.goodput[candidate.after.describe()])
+        return Prediction(self.goodput.get(candidate.after.describe(), 0.0))
 
 
 def test_dwell_and_margin_hold() -> None:

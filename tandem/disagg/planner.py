@@ -50,6 +50,7 @@ from tandem.disagg.prediction import (
     candidates,
 )
 
+ROLE_ORDER = ("colocated", "decode", "prefill")
 ASSUMED_OUTPUT_TOKENS = 256  # a request without max_tokens, before any has finished to say otherwise
 
 @dataclass
@@ -224,9 +225,13 @@ class Planner:
         self.actions.append(action)
 
     def moves(self, roles: dict[str, int], can_grow: bool, can_shrink: bool) -> list[tuple[str, str]]:
-        """What the planner may do to this split: one step along the ladder either way, and on an
-        elastic launcher a worker more or fewer of a role."""
+        """What the predictive planner may do to this split: any one worker's role change (the
+        prediction, not a ladder, says which way helps; candidates() drops a split that cannot
+        serve), and on an elastic launcher a worker more or fewer of a role. The ladder's moves come
+        first: on a tie (2C and 2D simulate alike) the first best is taken."""
         out = [m for m in (more_prefill(roles), more_decode(roles)) if m is not None]
+        out += [(src, dst) for src in ROLE_ORDER for dst in ROLE_ORDER
+                if src != dst and roles.get(src, 0) > 0 and (src, dst) not in out]
         if can_grow:
             grow = ("colocated",) if not roles.get("prefill") and not roles.get("decode") else ("prefill", "decode")
             out += [("", role) for role in grow]

@@ -67,10 +67,11 @@ class SimPredictor:
         if not any(s.turns[0].category == NEW for s in sessions):
             return Prediction(0.0)
         split, joins = candidate.after, {}
+        deployment = deployment_of(split, self.mixed_threshold)
         if candidate.to_role and candidate.switch_s > 0:
             # The new worker is the last of its role; until it joins, `during` serves.
-            joins[f"{candidate.to_role[0]}{getattr(split, candidate.to_role) - 1}"] = candidate.switch_s
-        deployment = deployment_of(split, self.mixed_threshold)
+            role = candidate.to_role if deployment.colocated == split.colocated else "colocated"
+            joins[f"{role[0]}{getattr(deployment, role) - 1}"] = candidate.switch_s
         sim = ClusterSim(deployment, self.costs, self.sched, self.cache, self.max_model_len, joins_at=joins)
         records = [r for r in sim.run(sessions).records if r.category == NEW]
         met = [r for r in records if r.success and r.ttft <= self.slo.ttft_s
@@ -84,6 +85,9 @@ class SimPredictor:
 
 
 def deployment_of(split: Split, mixed_threshold: int) -> Deployment:
-    """The simulator's deployment for a split. Prefill workers without a decode worker hand their
-    requests to nobody: they cannot serve, and the planner never leaves such a split."""
+    """The simulator's deployment for a split. Decode workers alone prefill their prompts themselves,
+    as colocated instances do. (Prefill workers without a decode worker hand their requests to nobody:
+    such a split cannot serve, and the planner never leaves one.)"""
+    if split.colocated + split.prefill == 0:
+        return Deployment(split.decode, mixed_threshold=mixed_threshold)
     return Deployment(split.colocated, split.prefill, split.decode, mixed_threshold=mixed_threshold)
