@@ -33,7 +33,8 @@ Weight = torch.Tensor | QuantizedWeight
 @dataclass(frozen=True)
 class NativeLinear:
     """How the native layer stack (ops/layer_stack.cpp) multiplies by a layer's weight: its kind
-    (0 dense, 1 small_batch_linear panels, 2 ggml blocks, 3 ggml blocks with int8 activations), the
+    (0 dense, 1 small_batch_linear panels, 2 ggml blocks, 3 ggml blocks with int8 activations,
+    4 oneDNN's packed copy), the
     tensor it reads, and the most rows that form serves (0: any); past them, wide (oneDNN's packed
     copy of a panelled weight) serves."""
 
@@ -85,8 +86,8 @@ class PackedBf16Method(LinearMethod):
 
     def native_form(self, layer: Linear) -> NativeLinear | None:
         packed = layer.packed
-        if packed.panels is None:
-            return None
+        if packed.panels is None:  # no bf16 dot-product kernel here: every row goes to oneDNN's copy
+            return NativeLinear(4, packed.packed_weight)
         return NativeLinear(1, packed.panels, max_rows=SMALL_BATCH_ROWS or 0, wide=packed.packed_weight)
 
 

@@ -13,6 +13,7 @@
 //   kPanels  a bf16 weight packed into small_batch_linear's panels, up to its rows; past them the
 //            same weight packed for oneDNN (PackedLinear's two copies), mkldnn::_linear_pointwise
 //   kGguf    ggml blocks as stored, gguf_linear or gguf_linear_q8 (up to max_rows rows)
+//   kOnednn  a bf16 weight packed for oneDNN only (no bf16 dot-product instructions for the panels)
 // A step whose rows exceed a linear's max_rows, or that the kernels cannot serve, is left to the
 // Python path by the caller (LayerStack.max_rows).
 
@@ -51,7 +52,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
 
 namespace {
 
-enum LinearKind : int64_t { kDense = 0, kPanels = 1, kGguf = 2, kGgufQ8 = 3 };
+enum LinearKind : int64_t { kDense = 0, kPanels = 1, kGguf = 2, kGgufQ8 = 3, kOnednn = 4 };
 
 using GgufOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&);
 
@@ -93,6 +94,7 @@ struct LinearW {
         static const auto f = gguf_op(false), q8 = gguf_op(true);
         return (kind == kGgufQ8 ? q8 : f).call(x, weight, qtype, in_features, bias);
       }
+      case kOnednn: return onednn_linear(x, weight, bias);
       default: return at::linear(x, weight, bias);
     }
   }
@@ -148,7 +150,7 @@ class LayerStack : public torch::CustomClassHolder {
   void add_linear(int64_t kind, const at::Tensor& weight, const at::Tensor& bias, int64_t out_features,
                   int64_t in_features, int64_t qtype, int64_t max_rows, const std::optional<at::Tensor>& wide) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "LayerStack: add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kGgufQ8, "LayerStack: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kOnednn, "LayerStack: unknown linear kind ", kind);
     LinearW l{kind, weight, given(bias), out_features, in_features, qtype,
               max_rows > 0 ? max_rows : std::numeric_limits<int64_t>::max(),
               kind == kPanels ? wide : std::nullopt};
