@@ -153,6 +153,21 @@ def test_a_prediction_is_settled_against_the_goodput_its_horizon_measured() -> N
     assert planner.predictions.last_settled() is record
 
 
+def test_decisions_are_spaced_to_keep_the_simulator_within_its_cpu_share() -> None:
+    """A decision whose predictions took 0.5 CPU seconds, at a 5% share, holds the next for 10 s."""
+    clock = Clock()
+    planner = Planner(SETTINGS, clock, Scripted({"2C": 1.0}))
+    arrivals(planner, clock, rate=1.0, prompt=64, output=64, seconds=20)
+    question = planner.ask({"colocated": 2})
+    assert question is not None
+    assert planner.conclude(question, question.answer(planner.predictor), cpu_s=0.5) is None
+    clock.now += 9.5
+    assert planner.ask({"colocated": 2}) is None
+    clock.now += 0.5
+    assert planner.ask({"colocated": 2}) is not None
+    assert planner.predict_cpu_s == 0.5
+
+
 def test_the_forecast_draws_lengths_from_the_latest_arrivals_and_carries_the_backlog() -> None:
     clock = Clock()
     planner = Planner(SETTINGS, clock)

@@ -46,7 +46,8 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
                               args.routing_guard_ratio, paths=args.path_policy, slo=slo)
     planner = PlannerSettings(args.planner == "on", slo.ttft_s, slo.tpot_s, args.planner_interval,
-                              window_s=args.planner_window, dwell_s=args.planner_dwell, margin=args.planner_margin)
+                              window_s=args.planner_window, dwell_s=args.planner_dwell, margin=args.planner_margin,
+                              cpu_share=args.planner_cpu_share)
     predictor = (planner_predictor(args.planner_profile, slo, args.path_policy)
                  if planner.enabled and args.planner_profile else None)
     settings = RouterSettings(bind=bind, secret=secret,

@@ -70,6 +70,10 @@ class PlannerSettings:
     margin: float = 0.1
     min_gain_rps: float = 0.01
     startup_s: float = 10.0  # a new worker's start-up until it serves, until one has been measured
+    # Predictive: the share of one core the simulator may take. The router shares its host's cores
+    # with the workers it plans for (all of them, on one machine), so after a decision whose
+    # predictions took c CPU seconds the next waits c / cpu_share (never less than the interval).
+    cpu_share: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class Planner:
         self._outputs: deque[tuple[float, int]] = deque()  # (time, output tokens) of finished requests
         self._last_action = -float("inf")
         self._decisions = 0
+        self._quiet_until = -float("inf")  # predictive: no question before this (the simulator's CPU share)
+        self.predict_cpu_s = 0.0  # the simulator's CPU seconds, all decisions together
         self.actions: list[PlannerAction] = []
         self.last_forecast_tok_s = 0.0
         self.predictions = PredictionLog()
@@ -248,17 +254,21 @@ class Planner:
         s = self.settings
         now = self.clock()
         self._refresh(now)
-        if now - self._last_action < s.dwell_s or len(self._arrivals) < s.min_samples:
+        if (now - self._last_action < s.dwell_s or len(self._arrivals) < s.min_samples
+                or now < self._quiet_until):
             return None
         switch = {role: (switch_s or {}).get(role, s.startup_s) for role in ("colocated", "prefill", "decode")}
         options = candidates(roles, self.moves(roles, can_grow, can_shrink), {**switch, "": s.startup_s})
         self._decisions += 1
         return Question(now, options, self.forecast(now, list(backlog)), s.dwell_s, self._decisions)
 
-    def conclude(self, question: Question, predictions: list[Prediction]) -> PlannerAction | None:
+    def conclude(self, question: Question, predictions: list[Prediction], cpu_s: float = 0.0) -> PlannerAction | None:
         """The best option if it beats staying by the margin; every decision's prediction of staying
-        (one a horizon) and every action's go to the log, to be settled."""
+        (one a horizon) and every action's go to the log, to be settled. cpu_s: what answering the
+        question cost (it spaces the next, PlannerSettings.cpu_share)."""
         s, now, horizon = self.settings, question.at, question.horizon_s
+        self.predict_cpu_s += cpu_s
+        self._quiet_until = now + cpu_s / s.cpu_share if s.cpu_share > 0 else now
         scores = list(zip(question.options, predictions, strict=True))
         self.last_scores = scores
         stay = scores[0][1]

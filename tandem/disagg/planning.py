@@ -26,7 +26,7 @@ from tandem.disagg.flight import Flight
 from tandem.disagg.launcher import WorkerSpec
 from tandem.disagg.messages import ROLES
 from tandem.disagg.planner import ASSUMED_OUTPUT_TOKENS, Planner, PlannerAction, PlannerSettings
-from tandem.disagg.prediction import Predictor
+from tandem.disagg.prediction import Prediction, Predictor
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.engine.messages import Shutdown
 
@@ -111,7 +111,13 @@ class PlannerLoop:
         question = self.planner.ask(roles, can_grow, can_shrink, backlog, switch)
         if question is None:
             return None
-        return self.planner.conclude(question, await asyncio.to_thread(question.answer, predictor))
+
+        def answer() -> tuple[list[Prediction], float]:
+            start = time.thread_time()  # the thread's own CPU: waiting for a core it shares is not its cost
+            return question.answer(predictor), time.thread_time() - start
+
+        predictions, cpu_s = await asyncio.to_thread(answer)
+        return self.planner.conclude(question, predictions, cpu_s)
 
     @staticmethod
     def _left(flight: Flight) -> int:
@@ -158,6 +164,7 @@ class PlannerLoop:
                                    "ttft_p90_s": pr.ttft_p90_s, "tpot_p90_s": pr.tpot_p90_s}
                                   for c, pr in p.last_scores]
             out["startup_s"] = self.startup_s
+            out["predict_cpu_s"] = p.predict_cpu_s
         return out
 
     async def flip(self, action: PlannerAction) -> bool:
