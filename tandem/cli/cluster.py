@@ -50,8 +50,8 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
                               cpu_share=args.planner_cpu_share)
     predictor = (planner_predictor(args.planner_profile, slo, args.path_policy)
                  if planner.enabled and args.planner_profile else None)
-    settings = RouterSettings(bind=bind, secret=secret,
-                              expected_workers=num_local, heartbeat_timeout=args.worker_heartbeat_timeout)
+    settings = RouterSettings(bind=bind, secret=secret, expected_workers=num_local,
+                              heartbeat_timeout=args.worker_heartbeat_timeout, migrate=args.planner_migration == "on")
     return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner,
                         predictor=predictor)
 

@@ -121,6 +121,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                     "(colocated, prefill, decode) for one role's own (repeatable; a bare PATH is every role's)")
     pl.add_argument("--planner-margin", type=float, default=0.1,
                     help="predictive: a move's predicted goodput must beat staying's by this fraction")
+    pl.add_argument("--planner-migration", choices=["on", "off"], default="on",
+                    help="a worker the planner retires moves the requests it decodes to other workers, KV and all "
+                    "(a live migration), instead of waiting for them to finish")
     pl.add_argument("--planner-cpu-share", type=float, default=0.05,
                     help="predictive: the share of one core the simulator may take (the router shares its "
                     "host's cores with the workers); decisions are spaced to keep within it")

@@ -109,6 +109,17 @@ class KVSendConnector(KVConnector[_SendPlan]):
         self._plan = None
 
 
+def ship_blocks(sender: KVSender, kv_caches: torch.Tensor, handle: TransferHandle, src: list[int],
+                dst: list[int]) -> None:
+    """Every layer of these blocks at once (a migration: the KV is all computed already); the
+    caller fences with sender.finish."""
+    if not src:
+        return
+    index = torch.tensor(src, dtype=torch.long)
+    for layer in range(kv_caches.shape[0]):
+        sender.write(handle, layer, dst, kv_caches[layer].index_select(1, index))
+
+
 class KVRecvConnector(KVConnector):
     def __init__(self, receiver: KVReceiver, block_size: int, worker_id: str = "") -> None:
         self.receiver = receiver

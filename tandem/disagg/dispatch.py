@@ -22,8 +22,29 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from tandem.disagg.flight import Flight, Phase, WorkerLost, first_token_output, prefill_request, reserve_request
-from tandem.disagg.messages import Admit, FlightReply, Prefill, Prefilled, Reserve, Reserved, TransferFailed
+from tandem.disagg.flight import (
+    Flight,
+    Phase,
+    WorkerLost,
+    first_token_output,
+    migrated_request,
+    prefill_request,
+    reserve_request,
+)
+from tandem.disagg.messages import (
+    Admit,
+    FlightReply,
+    Migrated,
+    MigrateKV,
+    Pause,
+    Paused,
+    Prefill,
+    Prefilled,
+    Reserve,
+    Reserved,
+    Resume,
+    TransferFailed,
+)
 from tandem.disagg.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.disagg.routing import Pick, Router
@@ -212,6 +233,58 @@ class Dispatcher:
             await self.send(decode, Admit(rid, first.new_token_ids[0]))
         await self.deliver([first])
         return True
+
+    async def migrate(self, flight: Flight, target: WorkerHandle) -> str | None:
+        """Move a decoding request, KV and all, from the worker streaming it to target (one that
+        receives KV: decode or colocated). None when it moved; else why not, the request decoding
+        on where it was. Raises WorkerLost when the source died (the request's KV died with it)."""
+        rid, source = flight.request.request_id, flight.decode
+        if source is None or source is target or not flight.phase.streaming or flight.phase == Phase.MIGRATE:
+            return "not decoding on another worker"
+        phase = flight.phase
+        flight.phase = Phase.MIGRATE
+        self.assign(flight, target, source)  # both hold it meanwhile: an abort or a death reaches both
+        moved = reserving = shipping = False
+        try:
+            try:
+                paused = await self._ask(flight, source, self.settings.heartbeat_timeout, Pause(rid))
+                assert isinstance(paused, Paused)
+                if paused.output_token_ids is None:
+                    return paused.reason
+                outputs = paused.output_token_ids
+                reserving = True
+                reply = await self._ask(flight, target, self.settings.reserve_timeout,
+                                        Reserve(migrated_request(flight.request, outputs)))
+                if not isinstance(reply, Reserved):
+                    return f"the target has no room: {getattr(reply, 'reason', '')}"
+                shipping = True
+                done = await self._ask(flight, source, self.settings.prefill_timeout, MigrateKV(rid, reply.handle))
+                shipping = False
+            except (WorkerLost, TimeoutError) as e:
+                if not source.alive:
+                    raise WorkerLost(f"worker {source.worker_id} died while its request was moving") from e
+                return f"no answer: {e or type(e).__name__}"
+            assert isinstance(done, Migrated)
+            if not done.ok:
+                return f"the KV transfer failed: {done.reason}"
+            moved = True
+            self.counters.migrations += 1
+            self.counters.count_transfer(source.worker_id, target.worker_id,
+                                         done.result.num_bytes if done.result else 0)
+            self.assign(flight, None, target)
+            flight.phase = phase
+            await self.send(target, Admit(rid, outputs[-1]))
+            return None
+        finally:
+            if not moved:
+                flight.phase = phase
+                self.assign(flight, None, source)
+                if source.alive:
+                    await self.send(source, Resume(rid))
+                # A reservation it may hold goes back, unless a live source may be writing into it
+                # still (it never answered): then the target takes it back when it expires.
+                if reserving and target.alive and not (shipping and source.alive):
+                    await self.send(target, AbortRequests([rid]))
 
     async def release(self, flight: Flight) -> None:
         """Undo a failed attempt before the next one (which reuses the request id)."""

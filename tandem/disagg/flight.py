@@ -19,10 +19,11 @@ class Phase(enum.Enum):
     PREFILL = "prefill"  # a prefill worker computes the prompt and ships its KV
     DECODE = "decode"  # the decode worker streams the rest
     WHOLE = "whole"  # one worker runs all of it (colocated, prefill-free, or a fallback)
+    MIGRATE = "migrate"  # moving, KV and all, from the worker it decodes on to another
 
     @property
     def streaming(self) -> bool:
-        return self in (Phase.DECODE, Phase.WHOLE)
+        return self in (Phase.DECODE, Phase.WHOLE, Phase.MIGRATE)
 
 
 class WorkerLost(Exception):
@@ -43,6 +44,16 @@ def reserve_request(request: Request) -> Request:
     if request.sampling_params.prompt_logprobs is None:
         return request
     return replace(request, sampling_params=replace(request.sampling_params, prompt_logprobs=None))
+
+
+def migrated_request(request: Request, output_token_ids: list[int]) -> Request:
+    """The target's copy in a migration: the prompt and all but the newest output token, whose KV
+    arrives computed (reserved like a prompt), so positions, penalties, seeded noise and stop
+    counts carry on as on the source; the newest token comes with the Admit."""
+    moved = reserve_request(replace(request, output_token_ids=[], spec_token_ids=[], prompt_logprobs={}))
+    for token in output_token_ids[:-1]:
+        moved.append_output_token(token)
+    return moved
 
 
 def first_token_output(request: Request, first: EngineCoreOutput, max_model_len: int) -> EngineCoreOutput:

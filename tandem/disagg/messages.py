@@ -3,11 +3,18 @@
 Besides the engine's own (engine/messages.py: AddRequests, AbortRequests, Shutdown in; StepOutputs,
 RequestsFailed, KVEvents out), which a worker's engine service handles like the colocated core's:
 
-  router -> worker: Reserve, Prefill, Admit, Forget, Hello
-  worker -> router: Register, Alive, Reserved | ReserveFailed, Prefilled | TransferFailed, Aborted
+  router -> worker: Reserve, Prefill, Admit, Forget, Hello; Pause, MigrateKV, Resume (a live migration)
+  worker -> router: Register, Alive, Reserved | ReserveFailed, Prefilled | TransferFailed, Aborted,
+                    Paused, Migrated
 
-Reserved, ReserveFailed, Prefilled and TransferFailed answer a question the router asked about one
-request (a FlightReply): the request's routing task waits for them.
+Reserved, ReserveFailed, Prefilled, TransferFailed, Paused and Migrated answer a question the router
+asked about one request (a FlightReply): the request's task waits for them.
+
+A live migration moves a decoding request to another worker with its KV: the source pauses it
+(Paused: its output so far), the target reserves blocks for everything computed (the prompt and
+all but the newest token) as a decode worker reserves a prompt, the source ships those blocks
+into the reservation and lets the request go (Migrated), and the target is admitted with the
+newest token, decoding on from there.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.request import Request
 
 ROLES = ("prefill", "decode", "colocated")
+RECEIVING_ROLES = ("decode", "colocated")  # their pools take KV from other workers (prefills, migrations)
 
 
 @dataclass
@@ -62,6 +70,28 @@ class Admit:
 
     request_id: str
     first_token: int
+
+
+@dataclass
+class Pause:
+    """Hold this decoding request between steps, blocks and all (a migration's first step)."""
+
+    request_id: str
+
+
+@dataclass
+class MigrateKV:
+    """Ship the paused request's computed KV into the reservation, then let the request go."""
+
+    request_id: str
+    handle: TransferHandle
+
+
+@dataclass
+class Resume:
+    """The migration did not happen: decode the paused request on here."""
+
+    request_id: str
 
 
 @dataclass
@@ -118,3 +148,22 @@ class Aborted:
     """The worker stopped these requests: no further write of theirs lands anywhere."""
 
     request_ids: list[str]
+
+
+@dataclass
+class Paused(FlightReply):
+    """output_token_ids: the request's output so far (its KV is computed up to the newest token);
+    None: it cannot move now (reason says why), and it decodes on."""
+
+    output_token_ids: list[int] | None
+    reason: str = ""
+
+
+@dataclass
+class Migrated(FlightReply):
+    """ok: the KV landed in the reservation and the request is gone from here; else it is paused
+    here still (the router resumes or aborts it)."""
+
+    ok: bool
+    result: TransferResult | None = None
+    reason: str = ""

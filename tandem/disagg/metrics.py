@@ -76,6 +76,8 @@ class DisaggMetrics:
         self.fallbacks = counter("router_colocated_fallbacks", "Requests run whole on the least-loaded worker "
                                  "because no path could take them (failed transfers, or no worker to pick).", r)
         self.deaths = counter("router_worker_deaths", "Workers declared dead.", r)
+        self.migrations = counter("router_migrations", "Decoding requests moved, KV and all, to another worker "
+                                  "(a live migration).", r)
         self.restarts = counter("router_worker_restarts", "Dead local workers started again.", r)
         self.routed = counter("router_routed", "Requests routed, by path (disaggregated, colocated, prefill-free).",
                               r + ["path"])
@@ -108,8 +110,8 @@ class DisaggMetrics:
         self.prefill_free = counter("router_prefill_free", "Requests sent straight to a decode worker, which loads "
                                     "the prompt's KV from the store (all of it but the last block's tokens).", r)
         self._last: dict[tuple, float] = {}
-        for metric in (self.retries, self.fallbacks, self.deaths, self.restarts, self.prefill_free, self.reserve_wait,
-                       self.forecast):
+        for metric in (self.retries, self.fallbacks, self.deaths, self.migrations, self.restarts, self.prefill_free,
+                       self.reserve_wait, self.forecast):
             metric.labels(model_name)  # exported at zero from the start
         for src, dst in (("prefill", "decode"), ("decode", "prefill")):
             self.planner_flips.labels(model_name, src, dst)
@@ -149,6 +151,7 @@ class DisaggMetrics:
         self._inc(self.retries, (m,), c.retries)
         self._inc(self.fallbacks, (m,), c.fallbacks)
         self._inc(self.deaths, (m,), c.worker_deaths)
+        self._inc(self.migrations, (m,), c.migrations)
         self._inc(self.restarts, (m,), cluster.restarts)
         self._inc(self.prefill_free, (m,), c.prefill_free)
         if cluster.planner_flips is not None:

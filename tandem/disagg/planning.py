@@ -4,13 +4,16 @@ decisions by flipping a local worker's role, or, on an elastic launcher (Ray), b
 more or releasing one. It acts through what the router hands it: the registry (to read), a
 WorkerControl (the router's WorkerFleet: the launcher's workers) and a send (a message to a worker).
 
-A flip drains the worker first (no new requests are routed to it; the ones it serves finish), then
-stops it and starts a worker of the other role on the same cores, which joins like any worker.
+A flip drains the worker first (no new requests are routed to it), then stops it and starts a
+worker of the other role on the same cores, which joins like any worker. Draining moves the
+requests it decodes to other workers, KV and all (a live migration, the router's migrate_from),
+and waits only for those still in their prompt; without migration they all finish where they are.
 Nothing in flight fails. Only local workers (started by this router) can be flipped.
 
 With a predictor it also hands the planner the requests in flight (what the next horizon inherits)
-and how long a move from each role would take: the longest remaining output of the worker it would
-drain at that worker's step time, plus a start-up as the last one measured.
+and how long a move from each role would take: the drain (with migration, the prompts left to
+compute on the worker it would drain; without, its longest remaining output at its step time),
+plus a start-up as the last one measured.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ JOIN_TIMEOUT_S = 300.0
 ACTIONS_KEPT = 100
 
 Send = Callable[[WorkerHandle, object], Awaitable[bool]]  # a message to a worker; False: it is gone
+Migrate = Callable[[str], Awaitable[object]]  # move what a worker (by id) decodes to others
 
 
 class WorkerControl(Protocol):
@@ -69,8 +73,9 @@ class WorkerControl(Protocol):
 
 class PlannerLoop:
     def __init__(self, settings: PlannerSettings, registry: WorkerRegistry, workers: WorkerControl,
-                 send: Send, predictor: Predictor | None = None, flights: Mapping[str, Flight] | None = None) -> None:
-        self.registry, self.workers, self.send = registry, workers, send
+                 send: Send, predictor: Predictor | None = None, flights: Mapping[str, Flight] | None = None,
+                 migrate: Migrate | None = None) -> None:
+        self.registry, self.workers, self.send, self.migrate = registry, workers, send, migrate
         self.settings = settings
         self.planner = Planner(settings, predictor=predictor)
         self.flights: Mapping[str, Flight] = flights if flights is not None else {}
@@ -131,8 +136,12 @@ class PlannerLoop:
         if not local:
             return 0.0
         worker = min(local, key=lambda w: (w.load, w.worker_id))
-        left = [self._left(f) for rid in worker.inflight if (f := self.flights.get(rid)) is not None]
-        return max(left, default=0) * self.registry.speed(worker).step_s
+        flights = [f for rid in worker.inflight if (f := self.flights.get(rid)) is not None]
+        speed = self.registry.speed(worker)
+        if self.migrate is not None:  # what decodes moves at once; prompts in progress finish there
+            prompts = sum(f.request.num_prompt_tokens for f in flights if not f.streamed)
+            return prompts / speed.prefill_tok_s if prompts and speed.prefill_tok_s > 0 else 0.0
+        return max((self._left(f) for f in flights), default=0) * speed.step_s
 
     async def run(self) -> None:
         while True:
@@ -209,6 +218,8 @@ class PlannerLoop:
             return None
         worker = min(local, key=lambda w: (w.load, w.worker_id))
         worker.draining = True
+        if self.migrate is not None and worker.inflight:
+            log.warning("planner: moving %s's requests: %s", worker.worker_id, await self.migrate(worker.worker_id))
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while worker.inflight and worker.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.2)

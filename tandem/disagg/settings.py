@@ -17,6 +17,7 @@ class RouterSettings:
     reserve_timeout: float = 10.0  # how long a request waits for a decode worker's blocks
     prefill_timeout: float = 300.0
     max_attempts: int = 2  # disaggregated tries before running the request colocated
+    migrate: bool = True  # a worker the planner retires hands what it decodes over, KV and all
     # A dead local worker is started again by the restart backoff (tandem/restart_backoff.py).
     restart_backoff_s: float = RESTART_BACKOFF_S
     max_restart_backoff_s: float = MAX_RESTART_BACKOFF_S
@@ -37,6 +38,7 @@ class RouterCounters:
     reserve_wait_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
     retries: int = 0
     fallbacks: int = 0
+    migrations: int = 0  # decoding requests moved, KV and all, to another worker
     worker_deaths: int = 0
     disaggregated: int = 0
     colocated: int = 0

@@ -8,6 +8,9 @@ engine gets (disagg/connector.py):
            layer as they compute, and report the first token once the transfer has landed;
   decode:  owns the pool the KV lands in; a reserved request waits for its KV in the engine (its
            blocks allocated and opened for writes), and decodes once the router says it landed.
+Decode and colocated workers both receive (a colocated worker's pool is a landing place too), so
+either can take a decoding request another worker hands over in a live migration; any worker
+that decodes can hand one over (Pause, MigrateKV, Resume).
 Messages: disagg/messages.py.
 """
 
@@ -25,28 +28,34 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.disagg import secure, wire
-from tandem.disagg.connector import KVRecvConnector, KVSendConnector
+from tandem.disagg.connector import KVRecvConnector, KVSendConnector, ship_blocks
 from tandem.disagg.messages import (
+    RECEIVING_ROLES,
     Aborted,
     Admit,
     Alive,
     Forget,
     Hello,
+    Migrated,
+    MigrateKV,
+    Pause,
+    Paused,
     Prefill,
     Prefilled,
     Register,
     Reserve,
     Reserved,
     ReserveFailed,
+    Resume,
     TransferFailed,
     WorkerInfo,
     WorkerStats,
 )
-from tandem.disagg.transport import KVReceiver, TransferStats
+from tandem.disagg.transport import KVReceiver, TransferResult, TransferStats
 from tandem.disagg.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore, EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats
-from tandem.engine.kv_connector import KVConnector
+from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.messages import AbortRequests, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
@@ -94,9 +103,10 @@ class Worker(EngineService):
         self.kv_send = KVSendConnector(self.sender, block_size)
         self.kv_recv: KVRecvConnector | None = None
         connector: KVConnector = self.kv_send
-        if role == "decode":
+        if role in RECEIVING_ROLES:
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
-            connector = self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
+            self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
+            connector = self.kv_recv if role == "decode" else MultiConnector([self.kv_send, self.kv_recv])
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
         super().__init__(EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None,
@@ -105,6 +115,7 @@ class Worker(EngineService):
             AbortRequests: self._on_abort, Forget: lambda m: self.sender.forget(m.kv_address),
             Reserve: lambda m: self.reserve(m.request), Prefill: self._on_prefill, Admit: self._on_admit,
             Hello: lambda m: self.register(),
+            Pause: self._on_pause, MigrateKV: self._on_migrate, Resume: lambda m: self.core.resume(m.request_id),
         })
         self.info = WorkerInfo(worker_id, role, core_info(self.core, loaded),
                                self.receiver.endpoint if self.receiver else None, socket.gethostname(), os.getpid(),
@@ -113,6 +124,7 @@ class Worker(EngineService):
         self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
         self.landing: dict[str, EngineCoreOutput] = {}  # sampled, KV in flight: request id -> its output
         self.reserved_at: dict[str, float] = {}
+        self.migrating: set[str] = set()  # paused here, KV on its way to another worker
         self.parent_pid: int | None = None  # a worker the router started goes when the router goes
         self._last_parent_check = 0.0
 
@@ -173,6 +185,32 @@ class Worker(EngineService):
         if self.kv_recv is None or not self.kv_recv.arrived(msg.request_id, msg.first_token):
             self.send(RequestsFailed([msg.request_id], "the decode worker no longer holds this request's KV"))
 
+    def _on_pause(self, msg: Pause) -> None:
+        request = self.core.pause(msg.request_id)
+        if request is None:
+            self.send(Paused(msg.request_id, None, f"request {msg.request_id} is not decoding on {self.worker_id}"))
+        else:
+            self.send(Paused(msg.request_id, list(request.output_token_ids)))
+
+    def _on_migrate(self, msg: MigrateKV) -> None:
+        """Ship the paused request's computed blocks past what the target caches, every layer, then
+        fence: the request goes once the sender says they landed (_collect_transfers)."""
+        rid, handle = msg.request_id, msg.handle
+        request = self.core.scheduler.paused.get(rid)
+        if request is None:
+            self.send(Migrated(rid, False, reason=f"request {rid} is not paused on {self.worker_id}"))
+            return
+        block_ids = self.core.scheduler.kv.get_block_ids(rid)
+        end = -(-request.num_computed_tokens // self.core.config.cache.block_size)
+        start = handle.num_cached_blocks
+        if end > len(handle.block_ids) or end > len(block_ids):
+            self.send(Migrated(rid, False, reason=f"the reservation holds {len(handle.block_ids)} blocks, "
+                               f"the request {end}"))
+            return
+        ship_blocks(self.sender, self.core.runner.kv_caches, handle, block_ids[start:end], handle.block_ids[start:end])
+        self.sender.finish(handle)
+        self.migrating.add(rid)
+
     def reserve(self, request: Request) -> None:
         """Queue the request as one whose prompt KV arrives from outside; it is Reserved once the
         engine has allocated its blocks (at once, or when blocks free up: the router waits)."""
@@ -189,6 +227,9 @@ class Worker(EngineService):
     def abort(self, request_ids: list[str]) -> None:
         """The engine's connectors close reservations and stop transfers before any block is freed."""
         for rid in request_ids:
+            if rid in self.migrating:
+                self.migrating.discard(rid)
+                self.sender.abort(rid)
             self.reserved_at.pop(rid, None)
             self.prefills.pop(rid, None)
             self.landing.pop(rid, None)
@@ -210,7 +251,7 @@ class Worker(EngineService):
         return plain
 
     def pending(self) -> bool:
-        return bool(self.landing)
+        return bool(self.landing or self.migrating)
 
     def tick(self) -> None:
         self._report_reservations()
@@ -234,6 +275,9 @@ class Worker(EngineService):
     def _collect_transfers(self) -> None:
         for result in self.sender.poll():
             self.transfer.add(result)
+            if result.request_id in self.migrating:
+                self._migrated(result)
+                continue
             landed = self.landing.pop(result.request_id, None)
             if landed is None:
                 continue  # aborted meanwhile
@@ -241,6 +285,15 @@ class Worker(EngineService):
                 self.send(Prefilled(result.request_id, landed, result))
             else:
                 self.send(TransferFailed(result.request_id, result.error))
+
+    def _migrated(self, result: TransferResult) -> None:
+        rid = result.request_id
+        self.migrating.discard(rid)
+        if result.ok:
+            self.core.abort([rid])  # its KV is on the target now: the blocks go back to this pool
+            self.send(Migrated(rid, True, result))
+        else:
+            self.send(Migrated(rid, False, result, result.error or "the transfer failed"))
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()

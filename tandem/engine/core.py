@@ -177,6 +177,15 @@ class EngineCore:
             if request is not None and self.spec is not None:
                 self.spec.finish(request, request.status.completed)
 
+    def pause(self, request_id: str) -> Request | None:
+        """Hold a decoding request still, KV and all, to be moved to another engine (None: it is not
+        decoding now). A grammar's matcher needs nothing moved: the other engine's catches up on
+        the output so far."""
+        return self.scheduler.pause(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        return self.scheduler.resume(request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -72,6 +72,9 @@ class Scheduler:
         self._ready: deque[Request] = deque()
         # Finished, but the connector still reads or writes their blocks: freed when it releases them.
         self._held: dict[str, Request] = {}
+        # Decoding requests held still, blocks and all, while their KV is copied to another engine
+        # (a live migration): no seat, no steps, until resumed or finished.
+        self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         threshold = scheduler_config.long_prefill_token_threshold
@@ -98,6 +101,27 @@ class Scheduler:
         self.running.remove(request)
         self._preempt(request)
 
+    def pause(self, request_id: str) -> Request | None:
+        """Hold a running request between steps, its KV complete up to its newest token (None: it is
+        not decoding: still in its prompt, waiting, or gone). Its drafts are dropped."""
+        request = self.requests.get(request_id)
+        if (request is None or request.status != RequestStatus.RUNNING or request_id in self.paused
+                or request.num_tokens - request.num_computed_tokens != 1):
+            return None
+        self.running.remove(request)
+        request.spec_token_ids = []
+        self.paused[request_id] = request
+        return request
+
+    def resume(self, request_id: str) -> bool:
+        """A paused request decodes on (it keeps its blocks and waits only for a seat)."""
+        request = self.paused.pop(request_id, None)
+        if request is None:
+            return False
+        request.status = RequestStatus.WAITING
+        self._ready.append(request)
+        return True
+
     def fail(self, request_id: str) -> Request | None:
         """Finish a request the engine could not run (finish reason "error"); its blocks are freed."""
         request = self.requests.get(request_id)
@@ -106,7 +130,9 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
+        if self.paused.pop(request.request_id, None) is not None:
+            pass
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self._ready:
             self._ready.remove(request)
@@ -137,7 +163,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         # A request waiting for its KV needs no steps, unless the connector's work finishes by itself.
-        return len(self.requests) > len(self.loading) or self.connector.busy()
+        return len(self.requests) > len(self.loading) + len(self.paused) or self.connector.busy()
 
     # -- KV from outside the pool ---------------------------------------------------------------
     def _start_load(self, request: Request, hits: list, num_hit_tokens: int, num_external: int) -> bool:

@@ -13,7 +13,7 @@ import tandem
 from tandem.serve import cluster_view
 from tandem.serve.app_state import Started, TextSide
 from tandem.serve.async_engine import EngineClient
-from tandem.serve.errors import bad_request, request_id
+from tandem.serve.errors import APIError, bad_request, request_id
 from tandem.serve.prepare import chat_ids, check_model, need_text
 from tandem.serve.protocol import DetokenizeRequest, TokenizeRequest, error_body
 from tandem.serve.unknown_fields import UnknownFields
@@ -55,6 +55,16 @@ def admin_router(s: AdminState) -> APIRouter:
         """The deployment, its load and the last minutes' latencies (README "Dashboard")."""
         live = s.started.live
         return cluster_view.snapshot(engine, live.metrics, live.model, s.slo, live.started_at)
+
+    @router.post("/v1/cluster/workers/{worker_id}/migrate")
+    async def migrate(worker_id: str) -> dict[str, Any]:
+        """Move the requests the worker is decoding to other workers, KV and all, their streams going
+        on (a live migration); the worker stays in the deployment."""
+        try:
+            return await engine.migrate_from(worker_id)
+        except LookupError as e:
+            raise APIError(404, f"no live worker {worker_id!r}" if isinstance(e, KeyError) else str(e),
+                           "NotFoundError", "worker_id") from e
 
     return router
 

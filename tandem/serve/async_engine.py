@@ -115,6 +115,11 @@ class EngineClient:
         (serve/cluster_view.py adds the rest of GET /v1/cluster)."""
         raise NotImplementedError
 
+    async def migrate_from(self, worker_id: str) -> dict[str, Any]:
+        """Move every request a worker decodes to others, KV and all (a cluster's; LookupError: not
+        a worker of this deployment)."""
+        raise LookupError("this deployment is one engine: there is no worker to move requests between")
+
     def attach_metrics(self, metrics: ServerMetrics) -> None:  # noqa: B027 (engines with more to say override)
         """Register engine-specific series next to the server's."""
 
