@@ -90,6 +90,10 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
         assert (core["role"], core["state"]) == ("colocated", "up") and core["kv_total_blocks"] > 0
         assert core["cores"], "the engine core's CPU affinity"
         assert before["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 10000.0}
+        # One engine: no worker to move requests between (a cluster's live migration).
+        moved = httpx.post(f"{server.url}/v1/cluster/workers/{core['id']}/migrate",
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert moved.status_code == 404 and "one engine" in moved.json()["error"]["message"]
 
         for i in range(3):
             complete(server, f"Count to {i + 3}:", max_tokens=6)
