@@ -210,6 +210,7 @@ class Worker(EngineService):
         ship_blocks(self.sender, self.core.runner.kv_caches, handle, block_ids[start:end], handle.block_ids[start:end])
         self.sender.finish(handle)
         self.migrating.add(rid)
+        self._collect_transfers()  # a synchronous transport (shm) has landed already: answer now, not after a step
 
     def reserve(self, request: Request) -> None:
         """Queue the request as one whose prompt KV arrives from outside; it is Reserved once the
