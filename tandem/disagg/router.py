@@ -31,8 +31,9 @@ from tandem.disagg.dispatch import Dispatcher
 from tandem.disagg.fleet import WorkerFleet
 from tandem.disagg.flight import Flight, WorkerLost
 from tandem.disagg.launcher import Launcher
-from tandem.disagg.messages import RECEIVING_ROLES, Aborted, Alive, FlightReply, Forget, Hello, Register
+from tandem.disagg.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
 from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
+from tandem.disagg.migration import Migrator
 from tandem.disagg.planner import PlannerSettings
 from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.prediction import Predictor
@@ -68,6 +69,7 @@ class DisaggEngine(EngineClient):
         self.router = Router(routing, self.registry.index, self._active_blocks)
         self.dispatch = Dispatcher(settings, self.registry, self.router, routing.slo, routing.paths, self._send,
                                    self._deliver_outputs, self.counters)
+        self.migrator = Migrator(self.registry, self.flights, self.dispatch, self._fail_request)
         self.fleet = WorkerFleet(launch)
         self.planning = (PlannerLoop(planner, self.registry, self.fleet, self._send, predictor, self.flights,
                                      self.migrate_from if settings.migrate else None)
@@ -337,45 +339,11 @@ class DisaggEngine(EngineClient):
 
     # -- live migration -----------------------------------------------------------------------
     async def migrate_from(self, worker_id: str) -> dict[str, Any]:
-        """Move every request the worker decodes to the least-loaded other worker that receives KV
-        (decode or colocated), one at a time; the worker stays routable. Requests still prefilling
-        there stay. KeyError: no live worker by that id."""
-        worker = next((w for w in self.registry.live() if w.worker_id == worker_id), None)
-        if worker is None:
-            raise KeyError(worker_id)
-        moved: list[str] = []
-        refused: dict[str, str] = {}
-        for rid in sorted(worker.inflight):
-            flight = self.flights.get(rid)
-            if flight is None or flight.decode is not worker or flight.prefill is not None or not flight.streamed:
-                continue
-            targets = [w for w in self.registry.routable(*RECEIVING_ROLES) if w is not worker]
-            if not targets:
-                refused[rid] = "no other worker that takes KV"
-                continue
-            target = min(targets, key=lambda w: (w.load, w.worker_id))
-            flight.task = asyncio.get_running_loop().create_task(self._migrate(flight, target))
-            try:
-                why = await flight.task
-            except asyncio.CancelledError:  # the client went away meanwhile
-                why = "aborted"
-            if why is None:
-                moved.append(rid)
-            else:
-                refused[rid] = why
-        return {"worker": worker_id, "migrated": moved, "not_migrated": refused}
+        return await self.migrator.migrate_from(worker_id)
 
-    async def _migrate(self, flight: Flight, target: WorkerHandle) -> str | None:
-        rid = flight.request.request_id
-        try:
-            why = await self.dispatch.migrate(flight, target)
-        except WorkerLost as e:  # the source died: the request's KV went with it
-            self._drop_flight(rid)
-            self._fail_children([rid], EngineRequestError(str(e)))
-            return str(e)
-        if why is not None:
-            log.warning("request %s stays on %s: %s", rid, flight.decode.worker_id if flight.decode else "-", why)
-        return why
+    def _fail_request(self, rid: str, message: str) -> None:
+        self._drop_flight(rid)
+        self._fail_children([rid], EngineRequestError(message))
 
     def _drop_flight(self, rid: str) -> Flight | None:
         flight = self.flights.pop(rid, None)
