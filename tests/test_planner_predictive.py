@@ -54,9 +54,9 @@ def arrivals(planner: Planner, clock: Clock, rate: float, prompt: int, output: i
 
 def test_the_move_the_simulator_shows_best_is_taken() -> None:
     """Long prompts at 0.5/s, one token out (a classifier's load), need both cores prefilling: one
-    prefiller (1C1D) falls behind on TTFT."""
+    prefiller (1C1D, every prompt through the pair: --path-policy disaggregated) falls behind on TTFT."""
     clock = Clock()
-    planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO))
+    planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO, "disaggregated"))
     arrivals(planner, clock, rate=0.5, prompt=768, output=1, seconds=20)
     action = planner.decide({"colocated": 1, "decode": 1})
     assert action is not None and (action.from_role, action.to_role) == ("decode", "colocated")
@@ -71,11 +71,28 @@ def test_the_move_the_simulator_shows_best_is_taken() -> None:
     assert record.acted and record.predicted_rps == action.predicted_goodput and record.measured_rps is None
 
 
+def test_under_the_slo_path_policy_a_decode_worker_prefills_too_so_nothing_moves() -> None:
+    """The same load under the router's default path policy: the decode worker runs the prompts it
+    can finish in time whole, so 1D1C prefills on both cores and already beats the move (which
+    leaves a worker missing while it switches)."""
+    clock = Clock()
+    planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO, "slo"))
+    arrivals(planner, clock, rate=0.5, prompt=768, output=1, seconds=20)
+    assert planner.decide({"colocated": 1, "decode": 1}) is None
+    scores = {c.describe(): p.goodput_rps for c, p in planner.last_scores}
+    pinned = Planner(SETTINGS, Clock(), SimPredictor({"colocated": PREFILL_BOUND}, SLO, "disaggregated"))
+    arrivals(pinned, pinned.clock, rate=0.5, prompt=768, output=1, seconds=20)  # type: ignore[arg-type]
+    pinned.decide({"colocated": 1, "decode": 1})
+    through_the_pair = {c.describe(): p.goodput_rps for c, p in pinned.last_scores}
+    assert scores["stay at 1D1C"] == max(scores.values()) > 2 * through_the_pair["stay at 1D1C"]
+
+
 def test_a_flip_the_reactive_rules_would_make_is_refused_when_the_new_split_loses() -> None:
     """Short prompts, long answers, TPOT missing on 2C: the reactive planner moves a worker to decode;
-    the simulator shows one decoder doing worse than two, so the predictive planner stays."""
+    the simulator shows one decoder (every prompt through the pair) doing worse than two, so the
+    predictive planner stays."""
     reactive, predictive = Planner(SETTINGS, Clock()), Planner(SETTINGS, Clock(), SimPredictor(
-        {"colocated": COMPUTE_BOUND}, SLO))
+        {"colocated": COMPUTE_BOUND}, SLO, "disaggregated"))
     for planner in (reactive, predictive):
         clock = planner.clock
         assert isinstance(clock, Clock)
@@ -93,7 +110,7 @@ def test_a_flip_the_reactive_rules_would_make_is_refused_when_the_new_split_lose
 
 def test_a_drain_longer_than_the_horizon_makes_a_winning_move_lose() -> None:
     clock = Clock()
-    planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO))
+    planner = Planner(SETTINGS, clock, SimPredictor({"colocated": PREFILL_BOUND}, SLO, "disaggregated"))
     arrivals(planner, clock, rate=0.5, prompt=768, output=1, seconds=20)
     drains = dict.fromkeys(("colocated", "decode"), 10 * SETTINGS.dwell_s)
     assert planner.decide({"colocated": 1, "decode": 1}, switch_s=drains) is None

@@ -33,8 +33,8 @@ def linear_cost(a: float = A, b: float = B, kv_tokens: int = 1 << 16, hop: float
 
 def run(deployment: str, sessions: list[SimSession], cost: FittedCost, **sched: object):  # noqa: ANN201
     cfg = SchedulerConfig(**sched)  # type: ignore[arg-type]
-    return ClusterSim(Deployment.parse(deployment), {"colocated": cost}, cfg, CacheConfig(), 4096,
-                      record_steps=True).run(sessions)
+    return ClusterSim(Deployment.parse(deployment, path_policy="disaggregated"), {"colocated": cost}, cfg,
+                      CacheConfig(), 4096, record_steps=True).run(sessions)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -6,10 +6,12 @@ import argparse
 import os
 import sys
 
+from tandem.disagg.paths import PATH_POLICIES
 from tandem.disagg.routing import POLICIES
 from tandem.sim.cost import RooflineCost, save_profile
 from tandem.sim.hardware import GPUS, LINKS, gpu
 from tandem.sim.model_shape import PRESETS, model_shape
+from tandem.slo import DEFAULT_SLO
 
 
 def _progress(text: str) -> None:
@@ -40,7 +42,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     transports = tuple(t for t in args.transports.split(",") if t)
     serve_argv = [*engine_argv(args), *shlex.split(args.serve_args)] if args.serve_calibration else None
-    cost, steps = profile(config, grid, _progress, transports, serve_argv, Path(args.output).parent)
+    neighbour_argv = engine_argv(args) if args.neighbours and args.cores else None
+    cost, steps = profile(config, grid, _progress, transports, serve_argv, Path(args.output).parent, neighbour_argv)
     save_profile(cost, args.output)
     err = cost.meta["fit_error"]
     print(f"{len(steps)} steps; fitted step time within {err['median'] * 100:.1f}% (median), "
@@ -48,6 +51,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
           f"/ {err['repeat_spread_p90'] * 100:.1f}% from their median); wrote {args.output}")
     for kind, fit in cost.transports.items():
         print(f"  {kind}: {fit.latency_s * 1e3:.2f} ms + {fit.bandwidth / 1e9:.2f} GB/s")
+    if cost.neighbours is not None:
+        rows = ", ".join(f"{own} beside {theirs} +{v * 100:.0f}%" for own, row in cost.neighbours.slowdown.items()
+                         for theirs, v in row.items())
+        print(f"  co-location: {rows}")
     if cost.serving is not None:
         scale, overhead, per_seq = cost.serving
         print(f"  serving: a step is {scale:.2f}x the engine's + {overhead * 1e3:.2f} ms + {per_seq * 1e3:.3f} ms "
@@ -65,6 +72,9 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for a smoke test)")
     p.add_argument("--transports", default="shm,zmq", help="KV transports to time (comma-separated)")
     p.add_argument("--cores", default=None, help="pin to these cores (as a worker is pinned), e.g. 0 or 0-1")
+    p.add_argument("--neighbours", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --cores: time prefill and decode steps beside a neighbour engine on the other cores "
+                        "(the co-location term the simulator applies to instances sharing a host)")
     p.add_argument("--serve-calibration", action=argparse.BooleanOptionalAction, default=True,
                    help="then time the same engine behind `tandem serve` from a client: what serving adds a step")
     p.add_argument("--serve-args", default="",
@@ -89,8 +99,22 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-profile", default=None, help="decode instances' own profile (default --profile)")
     g.add_argument("--deployment", default="1C", help="instances: 1C (colocated), 1P1D, 2P4D, 1P1D1C...")
     g.add_argument("--routing", default="least-loaded", choices=POLICIES, help="the router's policy in each pool")
-    g.add_argument("--mixed-threshold", type=int, default=512,
-                   help="with colocated and disaggregated pools: prompts up to this many tokens run colocated")
+    g.add_argument("--path-policy", default="slo", choices=PATH_POLICIES,
+                   help="as the router's: slo takes each request's path (whole on one instance, or through a "
+                        "prefill/decode pair) by its predicted TTFT and TPOT against the SLOs; disaggregated sends "
+                        "every prompt through a pair")
+    g.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO.ttft_s * 1000, help="what the path choice "
+                   "scores against, as `tandem serve --slo-ttft-ms`")
+    g.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_s * 1000)
+    g.add_argument("--instances-per-host", type=int, default=0,
+                   help="instances sharing one host's cores and memory, in order (0: all, as on one machine); a "
+                        "profile's measured neighbour slowdown applies among them")
+    sp = p.add_argument_group("speculative decoding (from a live run's spec_decode_* counters)")
+    sp.add_argument("--spec-draft-tokens", type=int, default=0, help="tokens a draft holds (0: off)")
+    sp.add_argument("--spec-acceptance", default="0.5",
+                    help="each position's acceptance given the ones before it: one probability, or one per "
+                         "position, comma-separated")
+    sp.add_argument("--spec-draft-rate", type=float, default=1.0, help="share of decode rows that carry a draft")
     g.add_argument("--store-tier", action="append", default=None, metavar="NAME:GIB:GBPS[:LATENCY_MS]",
                    help="a tier of the KV store every instance shares, fastest first (repeatable), e.g. "
                         "host:16:8 then disk:200:2:0.1")

@@ -17,13 +17,17 @@ from dataclasses import dataclass, field
 
 from tandem.bench.client import RequestRecord
 from tandem.config import CacheConfig, SchedulerConfig
+from tandem.disagg.paths import PATH_POLICIES
 from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.engine.request import Request
 from tandem.kv.hashing import block_keys
 from tandem.sim.cost import CostModel
 from tandem.sim.instance import SIM_TOKEN, SimInstance, TokenEvent, sim_request
+from tandem.sim.path_choice import choose_path
+from tandem.sim.speculation import SpecModel
 from tandem.sim.store import SimStore, SimStoreConnector
+from tandem.slo import DEFAULT_SLO, Slo
 
 ROLES = ("colocated", "prefill", "decode")
 _SPEC = re.compile(r"(\d+)([CPD])", re.IGNORECASE)
@@ -35,9 +39,10 @@ class Deployment:
     prefill: int = 0
     decode: int = 0
     routing: str = "least-loaded"
-    # With colocated and disaggregated pools both present: prompts up to this many tokens run whole on
-    # a colocated instance, longer ones are prefilled by a prefill instance for a decode instance.
-    mixed_threshold: int = 512
+    # How a request with a prefill/decode pair available picks its path, as the router's --path-policy:
+    # "slo" predicts each path's TTFT and TPOT and takes the one with the most headroom (path_choice.py),
+    # "disaggregated" sends every prompt through the pair.
+    path_policy: str = "slo"
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -46,9 +51,11 @@ class Deployment:
             raise ValueError("prefill instances need decode instances to hand their requests to")
         if self.colocated + self.prefill + self.decode == 0:
             raise ValueError("a deployment needs at least one instance")
+        if self.path_policy not in PATH_POLICIES:
+            raise ValueError(f"the path policy is one of {', '.join(PATH_POLICIES)}, got {self.path_policy!r}")
 
     @classmethod
-    def parse(cls, text: str, routing: str = "least-loaded", mixed_threshold: int = 512) -> Deployment:
+    def parse(cls, text: str, routing: str = "least-loaded", path_policy: str = "slo") -> Deployment:
         """"2C", "1P1D", "2P4D", "1P2D1C" (counts of Colocated, Prefill, Decode instances); "1D" alone
         is a decode pool whose prompts arrive with their KV (the planner's decode phase)."""
         compact = text.replace(" ", "")
@@ -58,7 +65,7 @@ class Deployment:
         counts = {"C": 0, "P": 0, "D": 0}
         for n, r in parts:
             counts[r.upper()] += int(n)
-        return cls(counts["C"], counts["P"], counts["D"], routing, mixed_threshold)
+        return cls(counts["C"], counts["P"], counts["D"], routing, path_policy)
 
     def describe(self) -> str:
         disagg = (f"{self.prefill}P" if self.prefill else "") + (f"{self.decode}D" if self.decode else "")
@@ -114,8 +121,13 @@ class SimResult:
 class ClusterSim:
     def __init__(self, deployment: Deployment, costs: dict[str, CostModel], scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, max_model_len: int, record_steps: bool = False,
-                 store: SimStore | None = None, joins_at: dict[str, float] | None = None) -> None:
+                 store: SimStore | None = None, joins_at: dict[str, float] | None = None,
+                 slo: Slo = DEFAULT_SLO, spec: SpecModel | None = None, instances_per_host: int = 0) -> None:
+        """slo: what the path choice scores against; spec: speculative decoding on every instance;
+        instances_per_host: how many instances share a host's cores and memory, in the pools' order
+        (0: all of them, as a deployment on one machine)."""
         self.deployment = deployment
+        self.slo, self.spec = slo, spec
         # Instances (by name) that join late, as a worker the planner starts does: the router sends
         # them nothing before.
         self.joins_at = joins_at or {}
@@ -132,6 +144,12 @@ class ClusterSim:
             self.pools[role] = [self._instance(f"{role[0]}{i}", role, cost, scheduler_config, cache_config,  # type: ignore[arg-type]
                                                max_model_len, record_steps, store) for i in range(n)]
         self.instances = [w for pool in self.pools.values() for w in pool]
+        per_host = instances_per_host or len(self.instances)
+        self._host: dict[str, list[SimInstance]] = {}
+        for i in range(0, len(self.instances), per_host):
+            host = self.instances[i:i + per_host]
+            for w in host:
+                self._host[w.name] = host
         self._links = {w.name: _Link() for w in self.instances}
         self.hop_s = max(w.cost.hop_s for w in self.instances)
         self._kv_routing = deployment.routing == "kv"
@@ -149,7 +167,8 @@ class ClusterSim:
         holder: list[SimInstance] = []
         door = None if store is None else SimStoreConnector(
             store, cache.block_size, lambda dt, fn: self.at(self.now + dt, fn), lambda: self._kick(holder[0]))
-        worker = SimInstance(name, role, cost, sched, cache, max_model_len, record_steps, door)
+        worker = SimInstance(name, role, cost, sched, cache, max_model_len, record_steps, door, self.spec,
+                             seed=len(self.joins_at) + sum(map(ord, name)))
         holder.append(worker)
         return worker
 
@@ -192,16 +211,43 @@ class ClusterSim:
         d = self.deployment
         up = {role: [w for w in pool if self.joins_at.get(w.name, 0.0) <= self.now]
               for role, pool in self.pools.items()}
-        disaggregated = bool(up["decode"]) and (d.decode_alone or bool(up["prefill"] or up["colocated"]))
-        if not disaggregated or (up["colocated"] and len(prompt) <= d.mixed_threshold):
-            # Whole on one instance: a colocated one, else a decode instance prefills the prompt itself.
-            worker = self._pick(keys, num_blocks, up["colocated"] or up["decode"])
-            self.at(self.now + self.hop_s, lambda: self._add(worker, request))
+        if d.decode_alone and up["decode"]:  # the prompts arrive with their KV
+            self._send_disaggregated(request, None, self._pick(keys, num_blocks, up["decode"]), keys)
             return
-        decode = self._pick(keys, num_blocks, up["decode"])
-        prefill = None if d.decode_alone else self._pick(keys, num_blocks, up["prefill"] + up["colocated"])
-        self._awaiting_prefill[rid] = (request, prefill)
+        decode = self._pick(keys, num_blocks, up["decode"]) if up["decode"] else None
+        prefill = self._pick(keys, num_blocks, up["prefill"] + up["colocated"]) \
+            if decode is not None and (up["prefill"] or up["colocated"]) else None
+        whole = [w for w in (self._pick(keys, num_blocks, up["colocated"]) if up["colocated"] else None, decode)
+                 if w is not None]
+        if prefill is not None and d.path_policy == "disaggregated":
+            self._send_disaggregated(request, prefill, decode, keys)  # type: ignore[arg-type]
+            return
+        if prefill is None and len(whole) == 1:
+            self._run_whole(whole[0], request, keys)
+            return
+        option = choose_path(len(prompt), turn.max_tokens, whole, prefill, decode, self.slo,
+                             lambda w: max(self._links[w.name].free_at - self.now, 0.0))
+        if option.path == "disaggregated":
+            self._send_disaggregated(request, option.prefill, option.decode, keys)  # type: ignore[arg-type]
+        else:
+            self._run_whole(option.decode, request, keys)  # type: ignore[arg-type]
+
+    def _run_whole(self, worker: SimInstance, request: Request, keys: list[int]) -> None:
+        """On one instance: a colocated one, or a decode instance that prefills the prompt itself."""
+        self._routed(keys, worker)
+        self.at(self.now + self.hop_s, lambda: self._add(worker, request))
+
+    def _send_disaggregated(self, request: Request, prefill: SimInstance | None, decode: SimInstance,
+                            keys: list[int]) -> None:
+        self._routed(keys, decode, prefill)
+        self._awaiting_prefill[request.request_id] = (request, prefill)
         self.at(self.now + self.hop_s, lambda: self._reserve(decode, request))
+
+    def _routed(self, keys: list[int], *workers: SimInstance | None) -> None:
+        if self._kv_routing:
+            for w in workers:
+                if w is not None:
+                    self.router.routed(w, keys)  # type: ignore[arg-type]
 
     def _pick(self, keys: list[int], num_blocks: int, pool: list[SimInstance]) -> SimInstance:
         if not pool:
@@ -209,8 +255,6 @@ class ClusterSim:
         pick = self.router.pick(keys, num_blocks, pool)  # type: ignore[arg-type]
         assert pick is not None
         worker: SimInstance = pick.worker  # type: ignore[assignment]
-        if self._kv_routing:
-            self.router.routed(pick.worker, keys)
         return worker
 
     def _add(self, worker: SimInstance, request: Request) -> None:
@@ -272,14 +316,40 @@ class ClusterSim:
         # A worker answers Reserved after the step whose schedule() allocated the blocks (it reports
         # between steps), so a busy decode worker costs a reservation the rest of its step and one more.
         reserved = worker.take_reserved()
-        if reserved:
-            self.at(self.now if end is None else end, lambda: [self._on_reserved(worker, rid) for rid in reserved])
-        if end is not None:
-            self.at(end, lambda: self._step_done(worker))
+        if end is None:
+            if reserved:
+                self.at(self.now, lambda: [self._on_reserved(worker, rid) for rid in reserved])
+            return
+        worker.reserved = reserved
+        self._end_at(worker)
+        self._reprice(worker)
+
+    def _end_at(self, worker: SimInstance) -> None:
+        """The step's end event at its present speed; one from before a re-pricing is stale."""
+        generation, end = worker.generation, worker.step_end
+        assert end is not None
+        self.at(end, lambda: self._step_done(worker) if worker.generation == generation else None)
+
+    def _reprice(self, worker: SimInstance) -> None:
+        """A step started or ended on worker's host: every step in flight there runs at the speed its
+        neighbours' steps leave it (colocation.py)."""
+        host = self._host[worker.name]
+        if not any(w.cost.neighbours for w in host):
+            return
+        busy = [w for w in host if w.step_end is not None]
+        for w in busy:
+            rule = w.cost.neighbours
+            factor = rule.factor(w.step_kind, [o.step_kind for o in busy if o is not w]) if rule else 1.0
+            if 1.0 / factor != w.speed:
+                w.set_speed(self.now, 1.0 / factor)
+                self._end_at(w)
 
     def _step_done(self, worker: SimInstance) -> None:
         start = worker.step_start
         sched = worker.finish_step(lambda ev: self._tokens(worker, ev))
+        reserved, worker.reserved = worker.reserved, []
+        for rid in reserved:
+            self._on_reserved(worker, rid)
         if worker.role != "decode":
             # Any prefill-capable instance may be prefilling for a decode instance: its KV leaves, and a
             # finished prefill goes on.
@@ -291,6 +361,7 @@ class ClusterSim:
                         self._prefilled(rid)
         if self._kv_routing:
             self.index.apply(worker.name, worker.scheduler.kv.pool.take_events())
+        self._reprice(worker)
         self._kick(worker)
 
     def _tokens(self, worker: SimInstance, ev: TokenEvent) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tandem.sim.colocation import Neighbours
 from tandem.sim.hardware import Hardware, Link
 from tandem.sim.model_shape import ModelShape
 
@@ -73,6 +74,7 @@ class CostModel(Protocol):
     def hop_s(self) -> float: ...
 
     engine: dict[str, Any]
+    neighbours: Neighbours | None  # how a step slows beside another instance's on the same host
 
     def to_json(self) -> dict[str, Any]: ...
 
@@ -110,6 +112,7 @@ class FittedCost:
     engine: dict[str, Any] = field(default_factory=dict)  # the profiled engine's scheduler settings
     # What serving adds to a step (calibrate.py): [scale, overhead_s, per_seq_s]; None: the engine alone.
     serving: list[float] | None = None
+    neighbours: Neighbours | None = None  # measured by `tandem profile` beside a neighbour process
     kind: str = "fitted"
 
     def step_time(self, shape: StepShape, serving: bool = True) -> float:
@@ -148,14 +151,15 @@ class FittedCost:
                 "kv_bytes_per_token": self.kv_bytes_per_token_, "num_layers": self.num_layers_,
                 "kv_tokens": self.kv_tokens, "hop_s": self.hop_s, "transport": self.transport,
                 "transports": {k: vars(v) for k, v in self.transports.items()}, "min_step_s": self.min_step_s,
-                "meta": self.meta, "engine": self.engine, "serving": self.serving}
+                "meta": self.meta, "engine": self.engine, "serving": self.serving,
+                "neighbours": None if self.neighbours is None else self.neighbours.to_json()}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FittedCost:
         return cls(list(d["coefficients"]), list(d["knots"]), d["kv_bytes_per_token"], d["num_layers"],
                    d["kv_tokens"], {k: TransferFit(**v) for k, v in d.get("transports", {}).items()},
                    d.get("transport", "shm"), d.get("hop_s", 0.0), d.get("min_step_s", 1e-4), d.get("meta", {}),
-                   d.get("engine", {}), d.get("serving"))
+                   d.get("engine", {}), d.get("serving"), Neighbours.from_json(d.get("neighbours")))
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -223,6 +227,7 @@ class RooflineCost:
     # A GPU engine's usual scheduler settings (vLLM's chunked-prefill budget and batch cap).
     engine: dict[str, Any] = field(default_factory=lambda: {"max_num_batched_tokens": 2048, "max_num_seqs": 256,
                                                             "max_model_len": 16384})
+    neighbours: Neighbours | None = None  # GPUs of a node share no compute: no slowdown modelled
     kind: str = "roofline"
 
     def __post_init__(self) -> None:

@@ -36,11 +36,12 @@ class ProfileGrid:
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64)
     serve_batches: tuple[int, ...] = (1, 4, 16)  # the serving calibration's decode batches
     serve_prompts: tuple[int, ...] = (32, 256, 768)  # and its prompt lengths
+    neighbour_repeats: int = 3  # scenarios per median of the co-location term
 
     @classmethod
     def quick(cls) -> ProfileGrid:
         return cls((16, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8), serve_batches=(1, 4),
-                   serve_prompts=(32,))
+                   serve_prompts=(32,), neighbour_repeats=1)
 
 
 def shape_of(step: LoggedStep) -> StepShape:
@@ -173,9 +174,11 @@ def measure_hop(rounds: int = 200) -> float:
 
 def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Callable[[str], None] = print,
             transports: tuple[str, ...] = ("shm", "zmq"), serve_argv: list[str] | None = None,
-            log_dir: Path = Path(".")) -> tuple[FittedCost, list[LoggedStep]]:
+            log_dir: Path = Path("."), neighbour_argv: list[str] | None = None) -> tuple[FittedCost, list[LoggedStep]]:
     """The fitted cost model of this engine on this machine, and the steps it was fitted to; with
-    serve_argv, the serving path's share of a step too (calibrate.py: `tandem serve` with those flags)."""
+    serve_argv, the serving path's share of a step too (calibrate.py: `tandem serve` with those flags);
+    with neighbour_argv (the engine's flags), how its steps slow beside another engine on the host's
+    other cores (neighbours.py)."""
     from tandem.model.loader import load_model
 
     grid = grid or ProfileGrid()
@@ -194,6 +197,12 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
             fits[kind] = measure_transfer(kind, core, grid.transfer_blocks)
         progress("timing a message hop")
         hop = measure_hop()
+        neighbours = None
+        if neighbour_argv is not None:
+            from tandem.sim.neighbours import measure_neighbours
+
+            neighbours = measure_neighbours(core, neighbour_argv, loaded.arch.vocab_size, progress,
+                                            repeats=grid.neighbour_repeats)
         layout = engine_kv_layout(config, loaded.arch)
         cost = FittedCost(coefficients, list(DEFAULT_KNOTS), float(layout.bytes_per_token(loaded.arch)),
                           loaded.arch.num_layers, core.num_blocks * config.cache.block_size, fits,
@@ -211,7 +220,8 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
                                   "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
                                   "block_size": config.cache.block_size,
                                   "enable_prefix_caching": config.cache.enable_prefix_caching,
-                                  "max_model_len": core.max_model_len})
+                                  "max_model_len": core.max_model_len},
+                          neighbours=neighbours)
     finally:
         core.close()
     del core, loaded

@@ -67,7 +67,7 @@ def splits(tps: Sequence[int], max_gpus: int, max_instances: int = 4) -> list[Ca
         for tp_d in tps:
             for p in range(1, max_instances + 1):
                 for d in range(1, max_instances + 1):
-                    c = Candidate(Deployment(colocated=0, prefill=p, decode=d), tp_p, tp_d)
+                    c = Candidate(Deployment(colocated=0, prefill=p, decode=d, path_policy="disaggregated"), tp_p, tp_d)
                     if math.gcd(p, d) == 1 and c.gpus <= max_gpus:
                         out.append(c)
     return out

@@ -21,17 +21,16 @@ from tandem.sim.run import engine_configs
 from tandem.slo import Slo
 
 NEW, BACKLOG = "new", "backlog"
-DEFAULT_MIXED_THRESHOLD = 512  # prompt tokens up to which a mixed deployment runs a request colocated
 VOCAB = (2, 30000)  # random prompt ids: nothing the draw holds shares a prefix by chance
 
 
 class SimPredictor:
-    def __init__(self, costs: dict[str, CostModel], slo: Slo, mixed_threshold: int = DEFAULT_MIXED_THRESHOLD,
+    def __init__(self, costs: dict[str, CostModel], slo: Slo, path_policy: str = "slo",
                  max_requests: int = 400) -> None:
         if "colocated" not in costs:
             raise ValueError("the predictor needs a profile for colocated workers (every role's default)")
         self.costs, self.slo = costs, slo
-        self.mixed_threshold, self.max_requests = mixed_threshold, max_requests
+        self.path_policy, self.max_requests = path_policy, max_requests
         sched, cache, self.max_model_len = engine_configs(costs["colocated"].engine, {}, False)
         self.sched: SchedulerConfig = sched
         self.cache = CacheConfig(block_size=cache.block_size, enable_prefix_caching=False)
@@ -39,9 +38,8 @@ class SimPredictor:
     @classmethod
     def from_profiles(cls, paths: dict[str, str | Path], slo: Slo, path_policy: str = "slo") -> SimPredictor:
         """path_policy as the router's: "disaggregated" sends every prompt through a pair when there is
-        one; "slo" is simulated as short prompts colocated and long ones disaggregated."""
-        return cls({role: load_profile(p) for role, p in paths.items()}, slo,
-                   0 if path_policy == "disaggregated" else DEFAULT_MIXED_THRESHOLD)
+        one; "slo" picks each request's path by its predicted TTFT and TPOT, as the router does."""
+        return cls({role: load_profile(p) for role, p in paths.items()}, slo, path_policy)
 
     def draw(self, forecast: Forecast, horizon_s: float, seed: int) -> list[SimSession]:
         rng = np.random.default_rng(seed)
@@ -67,12 +65,13 @@ class SimPredictor:
         if not any(s.turns[0].category == NEW for s in sessions):
             return Prediction(0.0)
         split, joins = candidate.after, {}
-        deployment = deployment_of(split, self.mixed_threshold)
+        deployment = deployment_of(split, self.path_policy)
         if candidate.to_role and candidate.switch_s > 0:
             # The new worker is the last of its role; until it joins, `during` serves.
             role = candidate.to_role if deployment.colocated == split.colocated else "colocated"
             joins[f"{role[0]}{getattr(deployment, role) - 1}"] = candidate.switch_s
-        sim = ClusterSim(deployment, self.costs, self.sched, self.cache, self.max_model_len, joins_at=joins)
+        sim = ClusterSim(deployment, self.costs, self.sched, self.cache, self.max_model_len, joins_at=joins,
+                         slo=self.slo)
         records = [r for r in sim.run(sessions).records if r.category == NEW]
         met = [r for r in records if r.success and r.ttft <= self.slo.ttft_s
                and (r.tpot is None or r.tpot <= self.slo.tpot_s)]
@@ -84,10 +83,10 @@ class SimPredictor:
                           float(np.percentile(tpots, 90)) if tpots else None, max(settle, 0.0))
 
 
-def deployment_of(split: Split, mixed_threshold: int) -> Deployment:
+def deployment_of(split: Split, path_policy: str) -> Deployment:
     """The simulator's deployment for a split. Decode workers alone prefill their prompts themselves,
     as colocated instances do. (Prefill workers without a decode worker hand their requests to nobody:
     such a split cannot serve, and the planner never leaves one.)"""
     if split.colocated + split.prefill == 0:
-        return Deployment(split.decode, mixed_threshold=mixed_threshold)
-    return Deployment(split.colocated, split.prefill, split.decode, mixed_threshold=mixed_threshold)
+        return Deployment(split.decode, path_policy=path_policy)
+    return Deployment(split.colocated, split.prefill, split.decode, path_policy=path_policy)

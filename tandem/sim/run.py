@@ -18,7 +18,9 @@ from tandem.bench.workloads import Session, Tokenizer, generate
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.sim.cluster import ClusterSim, Deployment, SimResult, SimSession, SimTurn
 from tandem.sim.cost import CostModel, load_profile
+from tandem.sim.speculation import SpecModel
 from tandem.sim.store import SimStore, SimTier
+from tandem.slo import Slo
 
 
 def to_sim_sessions(sessions: list[Session], offsets: list[float], tokenizer: Tokenizer, think_time_s: float = 0.0,
@@ -61,8 +63,15 @@ def engine_configs(engine: dict[str, Any], overrides: dict[str, Any],
 
 def simulate(sessions: list[SimSession], deployment: Deployment, costs: dict[str, CostModel],
              sched: SchedulerConfig, cache: CacheConfig, max_model_len: int, record_steps: bool = False,
-             store: SimStore | None = None) -> SimResult:
-    return ClusterSim(deployment, costs, sched, cache, max_model_len, record_steps, store).run(sessions)
+             store: SimStore | None = None, **options: Any) -> SimResult:
+    """options: ClusterSim's (slo, spec, instances_per_host)."""
+    return ClusterSim(deployment, costs, sched, cache, max_model_len, record_steps, store, **options).run(sessions)
+
+
+def spec_of(args: argparse.Namespace) -> SpecModel | None:
+    if not getattr(args, "spec_draft_tokens", 0):
+        return None
+    return SpecModel.parse(args.spec_draft_tokens, args.spec_acceptance, args.spec_draft_rate)
 
 
 def sim_store(specs: list[str] | None, cost: CostModel, block_size: int) -> SimStore | None:
@@ -83,14 +92,17 @@ def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     sim_sessions = to_sim_sessions(sessions, offsets, tokenizer, args.think_time, args.seed)
     if args.max_concurrency is not None:
         raise ValueError("the simulator replays open-loop arrivals; --max-concurrency is not simulated")
-    deployment = Deployment.parse(args.deployment, args.routing, args.mixed_threshold)
+    deployment = Deployment.parse(args.deployment, args.routing, args.path_policy)
     costs = role_costs(args)
     overrides = {k: getattr(args, k, None) for k in (*SCHEDULER_KEYS, *CACHE_KEYS, "max_model_len")}
     sched, cache, max_model_len = engine_configs(costs["colocated"].engine, overrides, args.routing == "kv")
     store = sim_store(args.store_tier, costs["colocated"], cache.block_size)
     if store is not None and not cache.enable_prefix_caching:
         raise ValueError("the KV store keys blocks as prefix caching does: leave prefix caching on")
-    res = simulate(sim_sessions, deployment, costs, sched, cache, max_model_len, store=store)
+    spec = spec_of(args)
+    res = simulate(sim_sessions, deployment, costs, sched, cache, max_model_len, store=store,
+                   slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000), spec=spec,
+                   instances_per_host=args.instances_per_host)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "label": args.label,
@@ -108,7 +120,12 @@ def run_sim(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         "model_id": "simulated",
         "gpus": sum(w.cost.num_devices for w in res.instances),
         "busy_fraction": {w.name: round(w.busy_s / res.duration, 4) for w in res.instances},
+        "path_policy": deployment.path_policy,
     }
+    if spec is not None:
+        drafts = sum(w.num_drafts for w in res.instances)
+        result["spec_decode"] = {"num_drafts": drafts, "accepted_per_draft":
+                                 round(sum(w.num_accepted for w in res.instances) / max(drafts, 1), 3)}
     if store is not None:
         result["store_hit_blocks"] = {t.name: t.hits for t in store.tiers}
     result |= compute_metrics(res.records, res.duration, percentiles, metrics, goodput)

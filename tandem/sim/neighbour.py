@@ -1,0 +1,47 @@
+"""The neighbour process `tandem profile` times its steps beside (neighbours.py): the same engine on the
+host's other cores, running prefills or decode batches without end."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tandem.config import EngineConfig
+    from tandem.disagg.launch import parse_cores
+    from tandem.engine.args import add_engine_args, engine_kwargs
+    from tandem.engine.core import EngineCore
+    from tandem.model.loader import load_model
+    from tandem.sim.neighbours import NEIGHBOUR_DECODE_STEPS, run_steps
+
+    p = argparse.ArgumentParser(prog="python -m tandem.sim.neighbour")
+    add_engine_args(p)
+    p.add_argument("--kind", required=True, choices=["prefill", "decode"])
+    p.add_argument("--cores", required=True)
+    args = p.parse_args(argv)
+    os.sched_setaffinity(0, parse_cores(args.cores))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+    core = EngineCore(config, loaded.model)
+    rng = np.random.default_rng(0)
+    vocab = loaded.arch.vocab_size
+    # A decode neighbour's batch runs long: its prompts' own prefill is rare next to its decode steps.
+    steps = NEIGHBOUR_DECODE_STEPS if args.kind == "decode" else 1
+    run_steps(core, args.kind, rng, vocab, "warmup", decode_steps=4)
+    print("ready", flush=True)
+    i = 0
+    while os.getppid() == parent:
+        run_steps(core, args.kind, rng, vocab, str(i), decode_steps=steps)
+        i += 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
