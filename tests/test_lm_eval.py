@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "evals/tandem_python"
 
 pytestmark = pytest.mark.slow
-MC_LIMIT = 24  # of the 51 items (each item's 4 choices are scored on both sides)
-GEN_LIMIT = 5  # of the 19 Zen items
+MC_LIMIT = 12  # of the 51 items (each item's 4 choices are scored on both sides)
+GEN_LIMIT = 3  # of the 19 Zen items
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ fits, the planner's search on a toy profile with a known optimum, and the CLI's 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -205,8 +206,10 @@ def test_bench_sim_writes_a_result_that_compare_reads(tmp_path, capsys):
 @pytest.mark.slow
 def test_tandem_profile_measures_the_live_engine(tmp_path):
     out = tmp_path / "p.json"
+    # Pinned to one core, as a worker is: the co-location term is timed beside a neighbour on the other.
     proc = subprocess.run([sys.executable, "-m", "tandem.cli", "profile", "--quick", "--kv-cache-memory", "0.25",
-                           "--transports", "shm", "-o", str(out)], capture_output=True, text=True, timeout=600)
+                           "--transports", "shm", "--cores", "0", "--num-threads", "1", "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     cost = FittedCost.from_json(data)
@@ -219,6 +222,13 @@ def test_tandem_profile_measures_the_live_engine(tmp_path):
     scale, overhead, per_seq = cost.serving
     assert 0.5 < scale < 3 and 0 <= overhead < 0.05 and 0 <= per_seq < 0.01
     assert len(data["meta"]["serving_points"]) == 3
+    if (os.cpu_count() or 1) > 1:
+        rule = cost.neighbours
+        assert rule is not None and set(rule.slowdown) == {"prefill", "decode"}
+        assert all(set(row) == {"prefill", "decode"} and min(row.values()) >= 0 for row in rule.slowdown.values())
+        assert rule.meta["neighbour_cores"] and all(t > 0 for row in rule.meta["beside_s"].values()
+                                                    for t in row.values())
+        assert "co-location: prefill beside prefill" in proc.stdout
 
 
 def test_expert_rebalancing_evens_a_skewed_load():
