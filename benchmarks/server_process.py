@@ -29,6 +29,12 @@ console = Console(stderr=True)
 LOG_PATTERN = re.compile(r"Traceback|ERROR|CRITICAL|WARNING|Exception|exception", re.IGNORECASE)
 
 
+# The server's speculative-decoding counters (drafts verified, their tokens, accepted; accepted by position).
+SPEC = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total",
+        "tandem:spec_decode_num_accepted_tokens_total")
+PER_POSITION = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
+
+
 def tandem_exe() -> str:
     # The venv's script next to this interpreter, so the server and client run the checkout being measured.
     local = Path(sys.executable).with_name("tandem")

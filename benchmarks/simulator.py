@@ -31,7 +31,16 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from server_process import add_server_args, bench_serve, counter_delta, scrape, serving, tandem_exe
+from server_process import (
+    PER_POSITION,
+    SPEC,
+    add_server_args,
+    bench_serve,
+    counter_delta,
+    scrape,
+    serving,
+    tandem_exe,
+)
 
 console = Console(stderr=True)
 RatesOf = Callable[[str, str], list[float]]
@@ -65,9 +74,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "copy": {"flags": ["--dataset-name", "copy", "--copy-input-len", "512", "--copy-output-len", "128"],
              "rates": {"colocated-spec": [0.3, 0.6]}, "seed": 31},
 }
-SPEC = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total",
-        "tandem:spec_decode_num_accepted_tokens_total")
-PER_POSITION = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATED, REQUESTS = "tandem:generation_tokens_total", "tandem:request_success_total"
 
 

@@ -27,7 +27,17 @@ import matplotlib
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from server_process import RunFailed, add_server_args, bench_serve, counter_delta, scrape, serving, tandem_exe
+from server_process import (
+    PER_POSITION,
+    SPEC,
+    RunFailed,
+    add_server_args,
+    bench_serve,
+    counter_delta,
+    scrape,
+    serving,
+    tandem_exe,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -54,9 +64,6 @@ WORKLOADS = {
     "random": Workload("random", ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
                                   "128", "--ignore-eos")),
 }
-SPEC = ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total",
-        "tandem:spec_decode_num_accepted_tokens_total")
-PER_POSITION = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def run_config(name: str, args: argparse.Namespace, progress: Progress) -> list[dict]:

@@ -168,7 +168,7 @@ class ClusterSim:
         door = None if store is None else SimStoreConnector(
             store, cache.block_size, lambda dt, fn: self.at(self.now + dt, fn), lambda: self._kick(holder[0]))
         worker = SimInstance(name, role, cost, sched, cache, max_model_len, record_steps, door, self.spec,
-                             seed=len(self.joins_at) + sum(map(ord, name)))
+                             seed=sum(map(ord, name)))
         holder.append(worker)
         return worker
 
@@ -214,15 +214,17 @@ class ClusterSim:
         if d.decode_alone and up["decode"]:  # the prompts arrive with their KV
             self._send_disaggregated(request, None, self._pick(keys, num_blocks, up["decode"]), keys)
             return
+        # Picked as the router picks (dispatch.py's options): each pool once, the whole-request
+        # candidates only where they could be taken.
         decode = self._pick(keys, num_blocks, up["decode"]) if up["decode"] else None
         prefill = self._pick(keys, num_blocks, up["prefill"] + up["colocated"]) \
             if decode is not None and (up["prefill"] or up["colocated"]) else None
-        whole = [w for w in (self._pick(keys, num_blocks, up["colocated"]) if up["colocated"] else None, decode)
-                 if w is not None]
         if prefill is not None and d.path_policy == "disaggregated":
             self._send_disaggregated(request, prefill, decode, keys)  # type: ignore[arg-type]
             return
-        if prefill is None and len(whole) == 1:
+        whole = [w for w in (self._pick(keys, num_blocks, up["colocated"]) if up["colocated"] else None, decode)
+                 if w is not None]
+        if prefill is None:
             self._run_whole(whole[0], request, keys)
             return
         option = choose_path(len(prompt), turn.max_tokens, whole, prefill, decode, self.slo,

@@ -36,8 +36,9 @@ class StepShape:
     num_decode: int = 0
 
     @classmethod
-    def of(cls, items: Iterable[tuple[int, int, bool]]) -> StepShape:
-        """items: (new tokens, tokens computed before this step, whether the row is sampled)."""
+    def of(cls, items: Iterable[tuple[int, int, int]]) -> StepShape:
+        """items: (new tokens, tokens computed before this step, rows sampled: 1 or True at a request's
+        end, a verification's drafts plus one)."""
         tokens = seqs = sampled = decode = 0
         pairs = context = 0.0
         for n, computed, samples in items:

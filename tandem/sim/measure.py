@@ -20,9 +20,8 @@ import zmq
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore, LoggedStep
 from tandem.engine.kv_layout import engine_kv_layout
-from tandem.engine.request import Request
-from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
+from tandem.sim.drive import run_prompts
 
 
 @dataclass(frozen=True)
@@ -48,19 +47,6 @@ def shape_of(step: LoggedStep) -> StepShape:
     return StepShape.of((n, computed, sampled) for _, n, computed, sampled in step.scheduled)
 
 
-def _run(core: EngineCore, prompts: list[list[int]], max_tokens: int, tag: str) -> list[LoggedStep]:
-    """Run the prompts to completion on the core; the steps it logged."""
-    log: list[LoggedStep] = []
-    core.step_log = log
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add_request(Request(f"profile-{tag}-{i}", p, params))
-    while core.has_unfinished():
-        core.step()
-    core.step_log = None
-    return log
-
-
 def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Callable[[str], None],
                   seed: int = 0) -> list[LoggedStep]:
     rng = np.random.default_rng(seed)
@@ -70,14 +56,14 @@ def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Cal
     def prompts(n: int, length: int) -> list[list[int]]:
         return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
 
-    _run(core, prompts(2, 64), 4, "warmup")
+    run_prompts(core, prompts(2, 64), 4, "warmup")
     steps: list[LoggedStep] = []
     for length in grid.prefill_lens:
         if length + 1 > limit:
             continue
         progress(f"prefill of {length} tokens")
         for rep in range(grid.repeats):
-            steps += _run(core, prompts(1, length), 1, f"p{length}-{rep}")
+            steps += run_prompts(core, prompts(1, length), 1, f"p{length}-{rep}")
     for context in grid.decode_contexts:
         for batch in grid.decode_batches:
             if batch * (context + grid.decode_steps) > min(capacity, grid.max_batch_tokens) \
@@ -85,7 +71,7 @@ def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Cal
                 continue
             progress(f"decode: {batch} streams at {context} tokens of context")
             for rep in range(grid.repeats):
-                steps += _run(core, prompts(batch, context), grid.decode_steps, f"d{batch}x{context}-{rep}")
+                steps += run_prompts(core, prompts(batch, context), grid.decode_steps, f"d{batch}x{context}-{rep}")
     return steps
 
 

@@ -18,10 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tandem.engine.core import EngineCore, LoggedStep
-from tandem.engine.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.engine.core import EngineCore
 from tandem.sim.colocation import KINDS, Neighbours, step_kind
+from tandem.sim.drive import run_prompts
 
 PREFILL_TOKENS = 512  # a neighbour's prompts, and the profiled prefill's
 DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 8, 256, 24
@@ -39,15 +38,9 @@ def run_steps(core: EngineCore, kind: str, rng: np.random.Generator, vocab: int,
               decode_steps: int = DECODE_STEPS) -> list[float]:
     """Seconds of each step of one scenario of this kind: a prompt alone, or a decode batch's steps
     (its prompts' steps left out)."""
-    log: list[LoggedStep] = []
-    core.step_log = log
-    ignore = SamplingParams(temperature=0.0, max_tokens=1 if kind == "prefill" else decode_steps, ignore_eos=True)
     n, length = (1, PREFILL_TOKENS) if kind == "prefill" else (DECODE_BATCH, DECODE_CONTEXT)
-    for i in range(n):
-        core.add_request(Request(f"neighbours-{tag}-{i}", rng.integers(1, vocab, length).tolist(), ignore))
-    while core.has_unfinished():
-        core.step()
-    core.step_log = None
+    prompts = [rng.integers(1, vocab, length).tolist() for _ in range(n)]
+    log = run_prompts(core, prompts, 1 if kind == "prefill" else decode_steps, f"neighbours-{tag}")
     return [s.seconds for s in log
             if step_kind(sum(x[1] for x in s.scheduled), sum(x[1] == 1 for x in s.scheduled)) == kind]
 
