@@ -181,7 +181,31 @@ class SpeculativeConfig:
 
 @dataclass
 class ParallelConfig:
-    num_threads: int = field(default_factory=available_cpus)
+    num_threads: int = field(default_factory=available_cpus)  # the whole worker group's, split between ranks
+    # A worker group (engine/worker_group.py): tensor_parallel_size ranks split every layer;
+    # expert_parallel_size ranks hold whole experts. The group has max(tp, ep) ranks; each of the two
+    # is 1 or the group's size (tp 1, ep N: attention whole on every rank, experts spread).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    enable_eplb: bool = False  # replicate hot experts in spare slots, rebalanced every eplb_interval steps
+    eplb_spare_slots: int = 1  # per rank
+    eplb_interval: int = 64  # steps between expert-load windows (the load metric is measured either way)
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def validate(self) -> None:
+        if self.num_threads < 1:
+            raise ValueError("num_threads must be positive")
+        tp, ep, n = self.tensor_parallel_size, self.expert_parallel_size, self.world_size
+        if tp < 1 or ep < 1:
+            raise ValueError("tensor_parallel_size and expert_parallel_size must be positive")
+        if tp not in (1, n) or ep not in (1, n):
+            raise ValueError(f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep}) must each be 1 "
+                             "or the group's size: a group of N ranks splits layers, experts, or both, N ways")
+        if self.eplb_spare_slots < 0 or self.eplb_interval < 1:
+            raise ValueError("eplb_spare_slots must be >= 0 and eplb_interval positive")
 
 
 @dataclass
@@ -235,7 +259,8 @@ class EngineConfig:
             raise ValueError(f"kv_store must be mooncake://HOST:PORT, got {self.cache.kv_store!r}")
         if self.cache.prefix_caching_hash_algo not in ("builtin", "sha256"):
             raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
-        if self.parallel.num_threads < 1:
-            raise ValueError("num_threads must be positive")
+        self.parallel.validate()
+        if self.parallel.world_size > 1 and self.cache.store_settings().enabled:
+            raise ValueError("a worker group (tensor or expert parallelism) with the tiered KV store is not built yet")
         if self.speculative is not None:
             self.speculative.validate()

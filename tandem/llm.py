@@ -31,6 +31,10 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, **engine_options))
 
+    def close(self) -> None:
+        """Stop what the engine started (a worker group's processes, the KV store's threads)."""
+        self.engine.core.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -78,8 +78,11 @@ def pin_cores(cores: list[int] | None) -> int:
 class Worker(EngineService):
     def __init__(self, config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
                  cores: list[int] | None, kv_transport: str, kv_host: str) -> None:
-        from tandem.model.loader import load_model
+        from tandem.engine.worker_group import load_engine_model
 
+        if config.parallel.world_size > 1:
+            raise ValueError("cluster workers run one process each: a worker group (tensor or expert "
+                             "parallelism) behind the router is not built yet")
         self.role, self.worker_id, self.cores = role, worker_id, cores
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -108,7 +111,7 @@ class Worker(EngineService):
             self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
             connector = self.kv_recv if role == "decode" else MultiConnector([self.kv_send, self.kv_recv])
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
-        loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+        loaded = load_engine_model(config)
         super().__init__(EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None,
                                     connector, tokenizer=loaded.tokenizer))
         self.handlers.update({

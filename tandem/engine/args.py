@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, SchedulerConfig
+from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: the usable cores); a worker group splits them between its ranks")
+    group = p.add_argument_group("worker group (one model across processes)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ParallelConfig.tensor_parallel_size,
+                       help="ranks that split every layer (heads, MLP), one all-reduce per row-parallel layer")
+    group.add_argument("--expert-parallel-size", "-ep", type=int, default=ParallelConfig.expert_parallel_size,
+                       help="ranks that hold whole experts of a mixture-of-experts model (all-to-all dispatch); "
+                            "1 or the tensor-parallel size, or N with -tp 1 (attention whole on every rank)")
+    group.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=ParallelConfig.enable_eplb,
+                       help="expert-parallel load balancing: hot experts replicated in spare slots")
+    group.add_argument("--eplb-spare-slots", type=int, default=ParallelConfig.eplb_spare_slots,
+                       help="expert slots per rank kept for replicas")
+    group.add_argument("--eplb-interval", type=int, default=ParallelConfig.eplb_interval,
+                       help="steps between rebalances (the expert-load window)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\' '
                         '(methods: ngram, suffix; README "Speculative decoding"); off by default')
@@ -76,6 +89,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
+                tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+                enable_eplb=args.enable_eplb, eplb_spare_slots=args.eplb_spare_slots, eplb_interval=args.eplb_interval,
                 kv_offload_memory=args.kv_offload_memory, kv_offload_path=args.kv_offload_path,
                 kv_offload_disk=args.kv_offload_disk, kv_offload_disk_size=args.kv_offload_disk_size,
                 kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl,

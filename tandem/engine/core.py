@@ -30,6 +30,7 @@ from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.ops.extension import extension_error, extension_isa, load_extension
+from tandem.parallel.shm import GroupFailed
 from tandem.speculative.decoder import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,12 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
 class EngineCore:
     def __init__(self, config: EngineConfig, model: CausalLM, kv_allocator: KVAllocator | None = None,
                  connector: KVConnector | None = None, tokenizer: Any = None) -> None:
-        torch.set_num_threads(config.parallel.num_threads)
+        threads = max(1, config.parallel.num_threads // config.parallel.world_size)  # each rank's share
+        torch.set_num_threads(threads)
         if torch.device(config.model.device).type == "cpu":
             # Loaded (or, if set-up was skipped, built) now rather than on the first step.
             startup.info("kernels: %s; %d threads", f"compiled ({extension_isa()})" if load_extension() else
-                         f"PyTorch fallbacks ({extension_error() or 'disabled'})", config.parallel.num_threads)
+                         f"PyTorch fallbacks ({extension_error() or 'disabled'})", threads)
         self.config = config
         num_blocks = num_kv_blocks(config, model.cfg)
         self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
@@ -289,6 +291,8 @@ class EngineCore:
         and position, so a retried one samples the same tokens)."""
         try:
             return self.runner.execute(sched), {}
+        except GroupFailed:  # not one request's fault: the group's ranks are out of step
+            raise
         except Exception as e:
             log.error("engine step of %d requests failed (%s: %s); isolating the cause", len(sched.scheduled),
                       type(e).__name__, e)
@@ -345,5 +349,7 @@ class EngineCore:
         return self.scheduler.stats()
 
     def close(self) -> None:
-        """Stop the connector's threads (the store flushes what it was saving)."""
+        """Stop the connector's threads (the store flushes what it was saving) and the worker group."""
         self.connector.close()
+        if self.runner.comm is not None:
+            self.runner.comm.close()

@@ -8,7 +8,8 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor, PromptType
-from tandem.model.loader import LoadedModel, load_model
+from tandem.engine.worker_group import load_engine_model
+from tandem.model.loader import LoadedModel
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ def model_limits(config: EngineConfig, loaded: LoadedModel, max_model_len: int) 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+        self.loaded = load_engine_model(config)
         self.core = EngineCore(config, self.loaded.model, tokenizer=self.loaded.tokenizer)
         self.tokenizer: Any | None = self.loaded.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model_limits(config, self.loaded, self.core.max_model_len))

@@ -15,6 +15,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.block_table import BlockTables
+from tandem.engine.group_messages import PoolSpec, StepInputs
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
@@ -24,8 +25,9 @@ from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.model.arch import ArchConfig
-from tandem.model.attention import build_attention_metadata
+from tandem.model.attention import AttentionMetadata, build_attention_metadata
 from tandem.model.causal_lm import CausalLM
+from tandem.parallel.shm import GroupFailed
 
 GiB = 1 << 30
 
@@ -63,23 +65,46 @@ def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def allocate_kv_pool(config: EngineConfig, arch: ArchConfig, num_blocks: int, device: torch.device,
+                     kv_allocator: KVAllocator | None = None) -> torch.Tensor:
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, row] in the layout's dtype (arch: this
+    process's shape, its share of the KV heads in a worker group)."""
+    layout = engine_kv_layout(config, arch)
+    shape = (arch.num_layers, 2, num_blocks, config.cache.block_size, arch.num_kv_heads, layout.row_dim)
+    kv_caches = (kv_allocator or default_kv_allocator)(shape, layout.dtype, device)
+    if config.cache.prefault_kv_cache:
+        prefault(kv_caches)
+    return kv_caches
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
                  kv_allocator: KVAllocator | None = None, connector: KVConnector | None = None) -> None:
         self.model = model
         self.block_size = config.cache.block_size
         self.device = torch.device(config.model.device)
-        arch = model.cfg
-        layout = engine_kv_layout(config, arch)
-        shape = (arch.num_layers, 2, num_blocks, self.block_size, arch.num_kv_heads, layout.row_dim)
-        self.kv_caches = (kv_allocator or default_kv_allocator)(shape, layout.dtype, self.device)
-        self.kv_quantized = layout.quantized
-        if config.cache.prefault_kv_cache:
-            prefault(self.kv_caches)
+        self.kv_caches = allocate_kv_pool(config, model.cfg, num_blocks, self.device, kv_allocator)
+        self.kv_quantized = engine_kv_layout(config, model.cfg).quantized
+        # In a worker group (engine/worker_group.py) every rank mirrors this pool and runs each step.
+        self.comm = model.comm
+        if self.comm is not None:
+            self.comm.broadcast_object(PoolSpec(num_blocks))
         self.connector = connector or KVConnector()
         self.connector.register_kv_caches(self.kv_caches)
         self.structured: StructuredState | None = None  # set by the engine core when it has a tokenizer
         self.block_tables = BlockTables(config.scheduler.max_num_seqs)  # grows with the longest table
+
+    def _group_forward(self, ids: torch.Tensor, meta: AttentionMetadata, idx: torch.Tensor,
+                       after_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """Every rank runs the step; any failure here leaves the ranks out of step with each other, so
+        it fails the group (the engine fails what is in flight; its owner starts a new group)."""
+        try:
+            self.comm.broadcast_object(StepInputs(ids, meta, idx))
+            return self.model(ids, meta, self.kv_caches, idx, after_layer)
+        except GroupFailed:
+            raise
+        except Exception as e:
+            raise GroupFailed(f"a step failed on rank 0 of the worker group: {type(e).__name__}: {e}") from e
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop what the runner keeps for requests whose blocks were freed (their block-table rows)."""
@@ -143,7 +168,10 @@ class ModelRunner:
 
         # The grammar masks of this step's constrained rows are computed while the model runs.
         masks = self.structured.start_masks(sampling) if self.structured is not None and sampling else None
-        logits = self.model(ids, meta, self.kv_caches, idx, after_layer)
+        if self.comm is None:
+            logits = self.model(ids, meta, self.kv_caches, idx, after_layer)
+        else:
+            logits = self._group_forward(ids, meta, idx, after_layer)
         connector.finish_step()
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}

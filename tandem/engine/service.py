@@ -22,6 +22,7 @@ from tandem.engine.core import EngineCore, EngineCoreOutput
 from tandem.engine.core_report import core_stats
 from tandem.engine.messages import AbortRequests, AddRequests, KVEvents, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
+from tandem.parallel.shm import GroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ class EngineService:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except GroupFailed as e:
+            # A rank of the worker group died: fail what is in flight, and end the loop (the process
+            # exits; its owner starts the group again).
+            failed = self.core.request_ids()
+            self.send(RequestsFailed(failed, f"engine error: {e}"))
+            raise
         except Exception as e:
             # A failed step fails the requests in it, not the engine: free them and carry on.
             log.error("engine step failed: %s", traceback.format_exc())

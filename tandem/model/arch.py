@@ -40,9 +40,25 @@ class ArchConfig:
     final_softcap: float = 0.0  # > 0: logits capped at softcap * tanh(logit / softcap)
     hidden_act: str = "silu"  # the gated MLP's activation
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    # Mixture of experts (model/moe.py; 0 experts: every layer's MLP is dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+    # Expert slots this process holds (model/tensor_parallel.py: fewer than num_experts under expert
+    # parallelism, plus spare slots for replicas of hot experts); 0: one slot per expert.
+    expert_slots: int = 0
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer in self.sparse_layers
+
+    @property
+    def num_expert_slots(self) -> int:
+        return self.expert_slots or self.num_experts
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

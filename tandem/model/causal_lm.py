@@ -45,6 +45,21 @@ class CausalLM(nn.Module):
         self._stack: Any | None = None
         self._stack_built = False
         self.native_steps = 0  # steps the stack served (tests and benchmarks read it)
+        self.comm: Any | None = None  # the worker group's collectives (parallel/comm.py), once joined
+
+    def join_group(self, comm: Any, shard: Any) -> None:
+        """Step as one shard (model/tensor_parallel.py's Shard, as built) of a worker group:
+        row-parallel outputs are summed over the group, and mixture-of-experts layers dispatch
+        through it. The native stack has no collectives inside: the Python loop serves every step."""
+        from tandem.model.tensor_parallel import row_parallel
+
+        self.comm = comm
+        self.native_layers = False
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and row_parallel(name) and shard.splits_layers:
+                module.reduce = comm.all_reduce
+            if hasattr(module, "join_group") and module is not self:
+                module.join_group(comm, shard)
 
     def layer_stack(self) -> Any | None:
         if not self.native_layers:

@@ -14,7 +14,7 @@ model is built with every layer in its final form: no module is swapped after lo
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +129,9 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.dtype, self.method = in_features, out_features, dtype, method
         method.create(self)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # A row-parallel layer's output is this rank's partial sum: reduce sums it over the worker
+        # group (model/tensor_parallel.py; set by CausalLM.join_group).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         if tuple(shape) != (self.out_features, self.in_features):
@@ -139,7 +142,8 @@ class Linear(nn.Module):
         return QuantizedWeight(self.qdata, self.method.fmt, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.reduce is None else self.reduce(out)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.method.name}"

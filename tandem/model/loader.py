@@ -28,6 +28,7 @@ from tandem.model.linear import Weight, held_forms, plan_linear_methods
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
+from tandem.model.tensor_parallel import Shard, shard_arch, shard_weights
 from tandem.model_path import DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelLoadError, resolve_model_path
 from tandem.tokenizer import load_tokenizer
 
@@ -166,11 +167,13 @@ def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.de
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "gguf") -> LoadedModel:
+               quantization: str = "gguf", shard: Shard | None = None) -> LoadedModel:
     """quantization: "gguf" serves a GGUF file's weights as stored where their format has kernels
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; activations in float), "gguf-q8" the same with int8
     activations, "none" dequantizes everything to dtype, "auto" is gguf unless dtype's dense path is
-    native bfloat16 (resolve_quantization). A directory's safetensors are dense whichever is chosen."""
+    native bfloat16 (resolve_quantization). A directory's safetensors are dense whichever is chosen.
+    shard: this process's part of a worker group (model/tensor_parallel.py): the model is built in its
+    rank's shape from its part of the weights (LoadedModel.arch stays the whole model's)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     quantization = resolve_quantization(quantization, dtype, torch.device(device))
@@ -187,15 +190,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else (
         path.name if path.is_dir() else path.stem)
     cls = family_of(arch).model_cls
-    methods = plan_linear_methods(cls.weight_parts(arch), weights, dtype, torch.device(device),
+    fingerprint = weights_fingerprint(weights, dtype)  # the whole model's: every shard keys blocks alike
+    local = arch
+    if shard is not None and shard.size > 1:
+        weights, local = shard_weights(weights, arch, shard), shard_arch(arch, shard)
+    methods = plan_linear_methods(cls.weight_parts(local), weights, dtype, torch.device(device),
                                   int8_activations=quantization == "gguf-q8")
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
-        net = cls(arch, dtype, methods)
+        net = cls(local, dtype, methods)
     net = net.to_empty(device=device)
     net.init_buffers(device)  # the rotary tables are computed, not loaded: on the real device
     net.load_weights(weights)
-    net.fingerprint = weights_fingerprint(weights, dtype)
+    net.fingerprint = fingerprint
     net.eval()
     forms = held_forms(net)
     startup.info("loaded %s in %.1f s: %d layers, %.1f MiB of weights as held (%s)", name, time.perf_counter() - t0,

@@ -62,6 +62,20 @@ class QuantizedWeight:
         return dequantize(self.data, self.fmt, self.in_features)
 
 
+def slice_weight(w: QuantizedWeight, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> QuantizedWeight:
+    """A [rows, cols] part of a weight, still in its blocks (a tensor-parallel shard). Columns must
+    start and end on block boundaries: ValueError otherwise (the caller dequantizes instead)."""
+    data = w.data if rows is None else w.data[rows[0]:rows[1]]
+    if cols is None:
+        return QuantizedWeight(data, w.fmt, w.in_features)
+    step = w.fmt.block_weights
+    if cols[0] % step or cols[1] % step:
+        raise ValueError(f"{w.fmt.name} columns split only at multiples of {step}, not {cols}")
+    per = w.fmt.block_bytes
+    return QuantizedWeight(data[:, cols[0] // step * per:cols[1] // step * per].contiguous(), w.fmt, cols[1] - cols[0])
+
+
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along out_features (a fused qkv or gate_up): rows of blocks concatenate."""
     first = parts[0]

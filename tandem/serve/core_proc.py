@@ -69,10 +69,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         kv_pub.bind(kv_events_endpoint)
     try:
         from tandem.engine.core_report import core_info
-        from tandem.model.loader import load_model
+        from tandem.engine.worker_group import load_engine_model
 
         t0 = time.perf_counter()
-        loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+        loaded = load_engine_model(config, log_level)
         core = EngineCore(config, loaded.model, tokenizer=loaded.tokenizer)
         if profile_speed:
             core.profile_speed()

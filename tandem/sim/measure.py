@@ -165,11 +165,11 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
     serve_argv, the serving path's share of a step too (calibrate.py: `tandem serve` with those flags);
     with neighbour_argv (the engine's flags), how its steps slow beside another engine on the host's
     other cores (neighbours.py)."""
-    from tandem.model.loader import load_model
+    from tandem.engine.worker_group import load_engine_model
 
     grid = grid or ProfileGrid()
     progress("loading the model")
-    loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+    loaded = load_engine_model(config)
     core = EngineCore(config, loaded.model)
     try:
         steps = measure_steps(core, grid, loaded.arch.vocab_size, progress)

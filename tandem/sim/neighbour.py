@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.disagg.launch import parse_cores
     from tandem.engine.args import add_engine_args, engine_kwargs
     from tandem.engine.core import EngineCore
-    from tandem.model.loader import load_model
+    from tandem.engine.worker_group import load_engine_model
     from tandem.sim.neighbours import NEIGHBOUR_DECODE_STEPS, run_steps
 
     p = argparse.ArgumentParser(prog="python -m tandem.sim.neighbour")
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    loaded = load_model(config.model.model, config.model.dtype, config.model.device, config.model.quantization)
+    loaded = load_engine_model(config)
     core = EngineCore(config, loaded.model)
     rng = np.random.default_rng(0)
     vocab = loaded.arch.vocab_size

@@ -1,0 +1,172 @@
+"""GroupComm: the collectives a worker group's step needs, over torch.distributed (gloo on CPU,
+NCCL on GPUs: chosen by device) and, between CPU processes of one x86-64 host, the shared-memory
+exchange (shm.py), which is 10-50x faster than gloo for a step's small tensors.
+
+Every rank calls the same collectives in the same order with tensors of the same shape (the step's
+plan is the same on every rank); that is what makes them match. The results are bitwise equal on
+every rank (sums in rank order), so the ranks never drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.parallel.shm import ShmExchange
+
+# TANDEM_GROUP_COMM=gloo forces torch.distributed for every collective (benchmarks compare the two).
+COMM_ENV = "TANDEM_GROUP_COMM"
+STEP_TIMEOUT_S = 600.0  # the longest one step may keep a rank waiting for another
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """What a rank needs to join its group: the rendezvous store's port and the shared file."""
+
+    store_port: int
+    shm_path: str | None
+    slot_bytes: int
+
+
+def shm_usable(device: torch.device) -> bool:
+    return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and \
+        os.environ.get(COMM_ENV, "shm") != "gloo"
+
+
+class GroupComm:
+    def __init__(self, rank: int, size: int, device: torch.device, address: GroupAddress,
+                 store: dist.TCPStore | None = None) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", address.store_port, size, is_master=False,
+                                  timeout=timedelta(seconds=120))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=STEP_TIMEOUT_S))
+        self.shm = ShmExchange(address.shm_path, rank, size, address.slot_bytes, create=False) \
+            if address.shm_path is not None else None
+        dist.barrier()  # everyone has mapped the file: rank 0 unlinks it (no file outlives the group)
+        if rank == 0 and address.shm_path is not None:
+            os.unlink(address.shm_path)
+        self.num_collectives = 0
+        self.on_close: list[Callable[[], None]] = []  # run first by close() (rank 0: stop the followers)
+
+    @property
+    def backend(self) -> str:
+        return "shm" if self.shm is not None else dist.get_backend()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.shm is not None and nbytes <= self.shm.slot_bytes
+
+    # -- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
+        self.num_collectives += 1
+        nbytes = t.numel() * t.element_size()
+        if not self._fits(nbytes):
+            dist.all_reduce(t)
+            return t
+        assert self.shm is not None
+        flat = t.contiguous().view(-1)
+        parity = self.shm.exchange(flat.view(torch.uint8), STEP_TIMEOUT_S)
+        parts = [self.shm.slot_view(r, parity).view(t.dtype) for r in range(self.size)]
+        if self.size == 2:
+            out = torch.add(parts[0], parts[1])
+        else:
+            acc = parts[0].to(torch.float32, copy=True)
+            for p in parts[1:]:
+                acc += p
+            out = acc.to(t.dtype)
+        return out.view(t.shape)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's t (shapes may differ along dim 0), in rank order."""
+        self.num_collectives += 1
+        if self.shm is None or t.numel() * t.element_size() > self.shm.slot_bytes:
+            return [torch.as_tensor(x, device=self.device) for x in self.gather_objects(t.cpu())]
+        flat = t.contiguous().view(-1).view(torch.uint8)
+        parity = self.shm.exchange(flat, STEP_TIMEOUT_S)
+        rest = t.shape[1:]
+        return [self.shm.slot_view(r, parity).view(t.dtype).view(-1, *rest).clone() for r in range(self.size)]
+
+    def all_to_all(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """parts[r] goes to rank r (any length along dim 0, the same trailing shape everywhere);
+        returns what each rank sent this one, in rank order."""
+        self.num_collectives += 1
+        rest, dtype = parts[0].shape[1:], parts[0].dtype
+        if self.shm is None:
+            sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+            recv_sizes = torch.empty_like(sizes)
+            dist.all_to_all_single(recv_sizes, sizes)
+            send = torch.cat(parts)
+            recv = send.new_empty((int(recv_sizes.sum()), *rest))
+            dist.all_to_all_single(recv, send, recv_sizes.tolist(), sizes.tolist())
+            return list(recv.split(recv_sizes.tolist()))
+        header = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64).view(torch.uint8)
+        body = torch.cat([p.contiguous().view(-1) for p in parts]).view(torch.uint8)
+        parity = self.shm.exchange(torch.cat([header, body]), STEP_TIMEOUT_S)
+        row = int(torch.Size(rest).numel()) * parts[0].element_size()
+        out = []
+        for r in range(self.size):
+            view = self.shm.slot_view(r, parity)
+            counts = view[:8 * self.size].view(torch.int64).tolist()
+            start = 8 * self.size + row * sum(counts[:self.rank])
+            out.append(view[start:start + row * counts[self.rank]].view(dtype).view(-1, *rest).clone())
+        return out
+
+    def broadcast_object(self, obj: Any = None, patient: bool = False) -> Any:
+        """Rank 0's obj on every rank (pickled). patient: the followers may wait long (for a step)."""
+        self.num_collectives += 1
+        if self.shm is None:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        payload = None
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            # A message too big for a slot goes through gloo; the slot then carries one marker byte.
+            big = len(data) > self.shm.slot_bytes
+            payload = torch.frombuffer(bytearray(b"\x01" if big else b"\x00" + data), dtype=torch.uint8)
+        parity = self.shm.exchange(payload, None if patient else STEP_TIMEOUT_S, patient=patient)
+        view = self.shm.slot_view(0, parity)
+        if self.rank == 0:
+            if view[0].item() == 1:
+                dist.broadcast_object_list([obj], src=0)
+            return obj
+        if view[0].item() == 1:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return pickle.loads(view[1:].numpy().tobytes())
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_rendezvous(size: int, slot_bytes: int, device: torch.device) -> tuple[dist.TCPStore, GroupAddress]:
+    """Rank 0's side of the rendezvous: the store on a free loopback port and the shared file."""
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    shm_path = None
+    if shm_usable(device):
+        shm_path = f"/dev/shm/tandem-group-{os.getpid()}-{store.port}"
+        ShmExchange(shm_path, 0, size, slot_bytes, create=True)
+    return store, GroupAddress(store.port, shm_path, slot_bytes)
+
