@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tandem import LLM, SamplingParams
 from tandem.model.arch import ArchConfig
