@@ -58,7 +58,8 @@ def shard_of(parallel: ParallelConfig, rank: int) -> Shard:
     n = parallel.world_size
     return Shard(rank, n, tensor_parallel=parallel.tensor_parallel_size == n,
                  expert_parallel=parallel.expert_parallel_size == n and n > 1,
-                 spare_slots=parallel.eplb_spare_slots if parallel.enable_eplb else 0)
+                 spare_slots=parallel.eplb_spare_slots if parallel.enable_eplb else 0,
+                 eplb_interval=parallel.eplb_interval)
 
 
 def rank_threads(parallel: ParallelConfig) -> int:

@@ -78,8 +78,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer  # a family on this one swaps its layer (qwen3_moe.py)
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
-        super().__init__(cfg, dtype, methods, LlamaDecoderLayer)
+        super().__init__(cfg, dtype, methods, self.layer_cls)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.rotary = RotaryEmbedding.of(self.cfg, self.norm.weight.dtype).to(device)

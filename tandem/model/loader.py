@@ -189,7 +189,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     tokenizer = load_tokenizer(str(path))
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else (
         path.name if path.is_dir() else path.stem)
-    cls = family_of(arch).model_cls
+    family = family_of(arch)
+    if family.prepare_weights is not None:
+        weights = family.prepare_weights(weights)
+    cls = family.model_cls
     fingerprint = weights_fingerprint(weights, dtype)  # the whole model's: every shard keys blocks alike
     local = arch
     if shard is not None and shard.size > 1:

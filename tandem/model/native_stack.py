@@ -38,6 +38,8 @@ def build_layer_stack(model: Any) -> Any | None:
         return None
     norm = model.norm.weight
     cfg = model.cfg
+    if cfg.num_experts:  # the stack has no mixture of experts
+        return None
     if norm.device.type != "cpu" or norm.dtype not in _DTYPES or cfg.head_dim % 16:  # the kernels' rows
         return None
     first = model.layers[0].self_attn

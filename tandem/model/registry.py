@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from tandem.model import arch as llama_arch
-from tandem.model import gemma3
+from tandem.model import gemma3, qwen3_moe
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.gemma3 import Gemma3ForCausalLM
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.qwen3_moe import Qwen3MoeForCausalLM
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class ModelFamily:
     gguf_rope_permuted: tuple[str, ...] = ()
     # Added to a HF checkpoint's norm weights (Gemma stores w for a norm that multiplies by 1 + w).
     hf_norm_offset: float = 0.0
+    # The checkpoint's tensors as the model (and a shard plan) names them, once read (MoE: per expert).
+    prepare_weights: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def hf_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.hf_norm_offset and name.endswith("norm.weight"):
@@ -52,6 +55,9 @@ FAMILIES = (
                                   "ffn_norm": "pre_feedforward_layernorm",
                                   "post_ffw_norm": "post_feedforward_layernorm"},
                 hf_norm_offset=1.0),
+    ModelFamily("qwen3moe", Qwen3MoeForCausalLM, qwen3_moe.HF_ARCHITECTURES, (qwen3_moe.GGUF_ARCHITECTURE,),
+                qwen3_moe.arch_from_hf_config, qwen3_moe.arch_from_gguf_metadata,
+                gguf_layer_names=qwen3_moe.GGUF_LAYER_NAMES, prepare_weights=qwen3_moe.per_expert),
 )
 
 

@@ -32,6 +32,7 @@ class Shard:
     tensor_parallel: bool = True  # attention and dense MLPs split (else whole on every rank)
     expert_parallel: bool = False  # experts spread over the ranks (else each expert split, when tensor_parallel)
     spare_slots: int = 0  # expert slots per rank beyond its share, for replicas (EPLB)
+    eplb_interval: int = 64  # forward calls per expert-load window (and between rebalances)
 
     @property
     def splits_layers(self) -> bool:

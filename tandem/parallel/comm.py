@@ -97,12 +97,17 @@ class GroupComm:
         rest = t.shape[1:]
         return [self.shm.slot_view(r, parity).view(t.dtype).view(-1, *rest).clone() for r in range(self.size)]
 
-    def all_to_all(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    @property
+    def slot_bytes(self) -> int:
+        return self.shm.slot_bytes if self.shm is not None else 0
+
+    def all_to_all(self, parts: list[torch.Tensor], large: bool = False) -> list[torch.Tensor]:
         """parts[r] goes to rank r (any length along dim 0, the same trailing shape everywhere);
-        returns what each rank sent this one, in rank order."""
+        returns what each rank sent this one, in rank order. large: some rank sends more than a
+        shared-memory slot holds (every rank must say so alike): torch.distributed carries it."""
         self.num_collectives += 1
         rest, dtype = parts[0].shape[1:], parts[0].dtype
-        if self.shm is None:
+        if self.shm is None or large:
             sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
             recv_sizes = torch.empty_like(sizes)
             dist.all_to_all_single(recv_sizes, sizes)
