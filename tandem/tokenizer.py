@@ -14,8 +14,10 @@ from tandem.model_path import resolve_model_path
 log = logging.getLogger(__name__)
 
 
-def load_gguf_tokenizer(path: Path) -> Any:
-    """Build a fast tokenizer from the GGUF metadata once, then load it from the cache."""
+def load_gguf_tokenizer(path: Path) -> Any | None:
+    """Build a fast tokenizer from the GGUF metadata once, then load it from the cache; None for a
+    file without tokenizer metadata (served on token ids, as a directory without tokenizer files)."""
+    import gguf
     from transformers import AutoTokenizer
 
     stat = path.stat()
@@ -23,6 +25,8 @@ def load_gguf_tokenizer(path: Path) -> Any:
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(cached)
+    if "tokenizer.ggml.tokens" not in gguf.GGUFReader(path).fields:
+        return None
     log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(cached)

@@ -58,8 +58,9 @@ def replica_table(placement: Placement, num_experts: int) -> tuple[torch.Tensor,
     if any(not w for w in where):
         raise ValueError("a placement must hold every expert")
     width = max(len(w) for w in where)
-    table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int64)
-    return table, torch.tensor([len(w) for w in where], dtype=torch.int64)
+    # On the CPU explicitly: a model is built under the meta device (the loader), then materialised.
+    table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int64, device="cpu")
+    return table, torch.tensor([len(w) for w in where], dtype=torch.int64, device="cpu")
 
 
 def rank_loads(placement: Placement, loads: list[float], ranks: int, slots: int) -> list[float]:

@@ -65,7 +65,7 @@ class SparseMoE(nn.Module):
         self.ranks, self.rank, self.reduce_out = 1, 0, False
         self.spare, self.interval = 0, 64
         self._place(initial_placement(self.num_experts, 1, self.slots))
-        self.window_expert = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.window_expert = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")  # not the meta device
         self.window_rows = 0
         self.calls = 0
         self.load = ExpertLoad()  # the last finished window's
