@@ -16,6 +16,7 @@ from conftest import assert_pool_clean
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tandem import LLM, SamplingParams
+from tandem.engine.core_report import core_stats
 from tandem.model.eplb import initial_placement, rank_loads, rebalance, replica_table
 
 VOCAB = 96
@@ -172,7 +173,11 @@ def test_eplb_evens_a_skewed_router(eplb: bool, tmp_path: Path) -> None:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         for p, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == hf_greedy(ref, p, 24)
-        loads = llm.engine.core.runner.model.expert_loads()
+        core = llm.engine.core
+        loads = core.runner.model.expert_loads()
+        stats = core_stats(core)  # what the server's metrics show (tandem:expert_load_imbalance)
+        assert stats.expert_imbalance == [load.imbalance for load in loads]
+        assert (stats.expert_rebalances > 0) == eplb
         assert len(loads) == 2 and all(sum(load.per_rank) > 0 for load in loads)
         imbalance = max(load.imbalance for load in loads)
         if eplb:

@@ -5,12 +5,18 @@ decoding; the shard plan splits heads as documented; the collectives agree over 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean
+from server_utils import running_server
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -175,3 +181,42 @@ def test_tp2_speculative_decoding_matches_transformers(models) -> None:  # noqa:
         assert_pool_clean(llm.engine)
     finally:
         llm.close()
+
+
+def _followers(root: int) -> list[int]:
+    """The worker-group followers among root's descendants."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        for child in map(int, children):
+            todo.append(child)
+            if b"tandem.engine.worker_group" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_its_groups_requests_and_the_group_restarts() -> None:
+    """kill -9 of rank 1 mid-stream: the stream ends with an error (never hangs), the engine core exits,
+    the server starts the group again (a new rank 1), and the next request is served."""
+    with running_server("--tensor-parallel-size", "2", "--kv-cache-memory", "0.25", "--max-num-seqs", "8") as s:
+        [rank1] = _followers(s.proc.pid)
+        body = {"prompt": "Count: one two three", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        chunks: list[str] = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                chunks.append(line)
+                if len(chunks) == 10:
+                    os.kill(rank1, signal.SIGKILL)
+        text = "\n".join(chunks)
+        assert "error" in text and text.count('"text"') < 400
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if httpx.get(f"{s.url}/health").status_code == 200 and _followers(s.proc.pid):
+                break
+            time.sleep(0.5)
+        assert _followers(s.proc.pid) not in ([], [rank1])
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

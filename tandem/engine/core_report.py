@@ -48,6 +48,10 @@ class CoreStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     # How much longer steps take now than the start-up profile (CoreInfo.speed) says (engine/speed.py).
     speed_factor: float = 1.0
+    # Expert parallelism (model/moe.py): each sparse layer's max / mean rows per rank over its last
+    # load window, and the placements EPLB made, all layers together.
+    expert_imbalance: list[float] = field(default_factory=list)
+    expert_rebalances: int = 0
 
 
 # Running totals: a deployment's are the sum of its engines'.
@@ -95,6 +99,7 @@ def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
 
 def core_stats(core: EngineCore) -> CoreStats:
     s = core.stats()
+    loads = core.runner.model.expert_loads()
     spec = core.spec.stats if core.spec is not None else None
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, s.num_used_blocks, s.num_blocks,
                      s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
@@ -103,7 +108,9 @@ def core_stats(core: EngineCore) -> CoreStats:
                      core.decode_busy_s, core.num_decode_steps, s.num_decoding,
                      *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
                        if spec else (0, 0, 0, [])),
-                     speed_factor=core.speed.factor if core.speed is not None else 1.0)
+                     speed_factor=core.speed.factor if core.speed is not None else 1.0,
+                     expert_imbalance=[load.imbalance for load in loads if load.per_rank],
+                     expert_rebalances=sum(load.rebalances for load in loads))
 
 
 def sum_stats(parts: list[CoreStats]) -> CoreStats | None:

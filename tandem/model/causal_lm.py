@@ -14,6 +14,7 @@ from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata
 from tandem.model.layers import RMSNorm, RotaryEmbedding
 from tandem.model.linear import DENSE, Embedding, Linear, LinearMethod, Weight
+from tandem.model.moe import ExpertLoad, SparseMoE
 from tandem.model.native_stack import build_layer_stack, run_layer_stack, stack_serves
 
 Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
@@ -60,6 +61,10 @@ class CausalLM(nn.Module):
                 module.reduce = comm.all_reduce
             if hasattr(module, "join_group") and module is not self:
                 module.join_group(comm, shard)
+
+    def expert_loads(self) -> list[ExpertLoad]:
+        """Each mixture-of-experts layer's last load window (model/moe.py; none for a dense model)."""
+        return [m.load for m in self.modules() if isinstance(m, SparseMoE)]
 
     def layer_stack(self) -> Any | None:
         if not self.native_layers:

@@ -35,7 +35,8 @@ class ExpertLoad:
 
     per_expert: list[float] = field(default_factory=list)  # rows routed to each expert
     per_rank: list[float] = field(default_factory=list)  # rows each rank's slots computed
-    rebalanced: bool = False
+    rebalanced: bool = False  # EPLB placed the experts again at the window's end
+    rebalances: int = 0  # the layer's placements since start
 
     @property
     def imbalance(self) -> float:
@@ -69,6 +70,7 @@ class SparseMoE(nn.Module):
         self.window_rows = 0
         self.calls = 0
         self.load = ExpertLoad()  # the last finished window's
+        self.rebalances = 0
 
     def join_group(self, comm: Any, shard: Any) -> None:
         self.comm = comm
@@ -168,8 +170,9 @@ class SparseMoE(nn.Module):
             if rank_loads(placement, per_expert, self.ranks, self.slots) != \
                     rank_loads(self.placement, per_expert, self.ranks, self.slots):
                 self._move_to(placement)
+                self.rebalances += 1
                 moved = True
-        self.load = ExpertLoad(per_expert, per_rank, moved)
+        self.load = ExpertLoad(per_expert, per_rank, moved, self.rebalances)
 
     def _move_to(self, placement: list[int]) -> None:
         """Load every slot of this rank with its new expert: from a slot it holds already, or from the

@@ -21,7 +21,7 @@ from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP
 from tandem.model.linear import Weight, dense
 from tandem.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from tandem.model.moe import ExpertLoad, SparseMoE
+from tandem.model.moe import SparseMoE
 
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 GGUF_ARCHITECTURE = "qwen3moe"
@@ -108,9 +108,3 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             weights[f"{pre.removesuffix('experts.')}w13"] = w13
             weights[f"{pre.removesuffix('experts.')}w2"] = w2
         super().load_weights(weights)
-
-    def expert_loads(self) -> list[ExpertLoad]:
-        """Each sparse layer's last load window (expert parallelism; empty windows otherwise)."""
-        return [self.layers[i].mlp.load for i in self.cfg.sparse_layers]
-
-

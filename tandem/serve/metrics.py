@@ -72,6 +72,10 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Speculative draft tokens accepted, by position (0: the first draft).",
                                              ("position",))
+        self.expert_imbalance = Gauge("tandem:expert_load_imbalance", "Expert parallelism: max / mean rows per "
+                                      "rank in a sparse layer's last load window (1 = even).",
+                                      ["model_name", "layer"], registry=r)
+        self.expert_rebalances = counter("expert_rebalances", "Expert placements EPLB made (all sparse layers).")
         self._last: CoreStats | None = None
         self.store = StoreMetrics(r, model_name)
         self.collectors: list = []  # callables run before each render (the router's per-worker metrics)
@@ -104,6 +108,7 @@ class ServerMetrics:
             (self.spec_drafts, s.spec_num_drafts, prev.spec_num_drafts if prev else 0),
             (self.spec_draft_tokens, s.spec_num_draft_tokens, prev.spec_num_draft_tokens if prev else 0),
             (self.spec_accepted, s.spec_num_accepted_tokens, prev.spec_num_accepted_tokens if prev else 0),
+            (self.expert_rebalances, s.expert_rebalances, prev.expert_rebalances if prev else 0),
         ):
             if now > before:
                 metric.labels(m).inc(now - before)
@@ -112,6 +117,8 @@ class ServerMetrics:
             before = before_pos[pos] if pos < len(before_pos) else 0
             if now > before:
                 self.spec_accepted_per_pos.labels(m, str(pos)).inc(now - before)
+        for layer, imbalance in enumerate(s.expert_imbalance):
+            self.expert_imbalance.labels(m, str(layer)).set(imbalance)
         self.store.observe(s.kv_store)
         self._last = s
 
