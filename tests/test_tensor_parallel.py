@@ -145,9 +145,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, to
     return {kind: build(kind, root) for kind in CASES}
 
 
-@pytest.mark.parametrize("kind", list(CASES))
-def test_tp2_greedy_matches_transformers(kind: str, models) -> None:  # noqa: ANN001
-    """Two ranks, prompts in chunks of 16 tokens, a shared 24-token head served from the prefix cache."""
+@pytest.mark.parametrize("kind,layers", [(kind, "native") for kind in CASES] + [("llama-uneven", "python")])
+def test_tp2_greedy_matches_transformers(kind: str, layers: str, models, monkeypatch) -> None:  # noqa: ANN001
+    """Two ranks, prompts in chunks of 16 tokens, a shared 24-token head served from the prefix cache;
+    the layers in the native stack (its all-reduces in C++, ops/group_reduce.cpp) or the Python loop."""
+    if layers == "python":
+        monkeypatch.setenv("TANDEM_NATIVE_LAYERS", "0")  # the follower inherits it
     path, ref = models[kind]
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_blocks=48, block_size=4,
               max_num_batched_tokens=16)
@@ -162,6 +165,7 @@ def test_tp2_greedy_matches_transformers(kind: str, models) -> None:  # noqa: AN
         for p, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == hf_greedy(ref, p, 10)
         assert outs[-1].num_cached_tokens >= 20
+        assert (llm.engine.core.runner.model.native_steps > 0) == (layers == "native")
         assert_pool_clean(llm.engine)
     finally:
         llm.close()

@@ -51,11 +51,12 @@ class CausalLM(nn.Module):
     def join_group(self, comm: Any, shard: Any) -> None:
         """Step as one shard (model/tensor_parallel.py's Shard, as built) of a worker group:
         row-parallel outputs are summed over the group, and mixture-of-experts layers dispatch
-        through it. The native stack has no collectives inside: the Python loop serves every step."""
+        through it. The native stack all-reduces over the group's shared-memory exchange; over
+        torch.distributed the Python loop serves every step."""
         from tandem.model.tensor_parallel import row_parallel
 
         self.comm = comm
-        self.native_layers = False
+        self.native_layers = self.native_layers and comm.native_group() is not None
         for name, module in self.named_modules():
             if isinstance(module, Linear) and row_parallel(name) and shard.splits_layers:
                 module.reduce = comm.all_reduce
@@ -71,6 +72,8 @@ class CausalLM(nn.Module):
             return None
         if not self._stack_built:
             self._stack, self._stack_built = build_layer_stack(self), True
+            if self._stack is not None and self.comm is not None:
+                self._stack.set_group(*self.comm.native_group())
         return self._stack
 
     def native_layers_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

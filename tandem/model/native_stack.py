@@ -73,6 +73,8 @@ def stack_serves(stack: Any, x: torch.Tensor, kv_caches: torch.Tensor, meta: Att
     """Whether the stack can run this step (x: its embedded rows)."""
     if x.shape[0] > stack.max_rows() or kv_caches.device.type != "cpu":
         return False
+    if stack.group_slot_bytes() and x.shape[0] * x.shape[1] * x.element_size() > stack.group_slot_bytes():
+        return False  # a worker group's all-reduce too wide for its exchange: the Python loop's gloo path
     if kv_caches.dtype not in (x.dtype, torch.int8):
         return False
     if meta.num_prefills:

@@ -31,6 +31,9 @@
 
 namespace tandem_ops {
 
+// group_reduce.cpp: a worker group's all-reduce over its shared-memory exchange.
+at::Tensor group_all_reduce(const at::Tensor& t, int64_t base, int64_t rank, int64_t size, int64_t slot_bytes);
+
 // The kernels of the other translation units (fused.cpp, kv_write.cpp, paged_attention.cpp,
 // paged_prefill.cpp, linear.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
@@ -158,6 +161,17 @@ class LayerStack : public torch::CustomClassHolder {
     layers_.back().linears.push_back(std::move(l));
   }
 
+  // One shard of a worker group (tensor parallelism): o_proj's and down_proj's outputs are partial
+  // sums, all-reduced over the group's shared-memory exchange (group_reduce.cpp) at base.
+  void set_group(int64_t base, int64_t rank, int64_t size, int64_t slot_bytes) {
+    TORCH_CHECK(base != 0 && size > 1 && 0 <= rank && rank < size && slot_bytes > 0, "LayerStack: bad group");
+    group_base_ = base;
+    group_rank_ = rank;
+    group_size_ = size;
+    group_slot_bytes_ = slot_bytes;
+  }
+
+  int64_t group_slot_bytes() const { return group_slot_bytes_; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t max_rows() const { return max_rows_; }
 
@@ -230,19 +244,24 @@ class LayerStack : public torch::CustomClassHolder {
                                       0.0, out);
         }
       }
-      const at::Tensor o = L.linears[1](attn.view({attn.size(0), q_size}));
+      const at::Tensor o = reduce(L.linears[1](attn.view({attn.size(0), q_size})));
       if (L.pre_ff_norm) {
         std::tie(h, residual) = add_rms_norm(rms_norm(o, L.post_norm, eps_), residual, *L.pre_ff_norm, eps_);
-        x = rms_norm(L.linears[3](activation(L.linears[2](h))), *L.post_ff_norm, eps_);
+        x = rms_norm(reduce(L.linears[3](activation(L.linears[2](h)))), *L.post_ff_norm, eps_);
       } else {
         std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
-        x = L.linears[3](activation(L.linears[2](h)));
+        x = reduce(L.linears[3](activation(L.linears[2](h))));
       }
     }
     return {x, residual};
   }
 
  private:
+  at::Tensor reduce(const at::Tensor& partial) const {
+    if (group_base_ == 0) return partial;
+    return group_all_reduce(partial, group_base_, group_rank_, group_size_, group_slot_bytes_);
+  }
+
   // GatedMLP's arithmetic, op for op.
   at::Tensor activation(const at::Tensor& gate_up) const {
     if (act_ == kSilu) return silu_and_mul(gate_up);
@@ -255,6 +274,7 @@ class LayerStack : public torch::CustomClassHolder {
   int64_t act_;
   std::vector<LayerW> layers_;
   int64_t max_rows_ = std::numeric_limits<int64_t>::max();
+  int64_t group_base_ = 0, group_rank_ = 0, group_size_ = 1, group_slot_bytes_ = 0;
 };
 
 }  // namespace tandem_ops
@@ -265,6 +285,8 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
       .def("add_layer", &tandem_ops::LayerStack::add_layer)
       .def("set_sandwich", &tandem_ops::LayerStack::set_sandwich)
       .def("add_linear", &tandem_ops::LayerStack::add_linear)
+      .def("set_group", &tandem_ops::LayerStack::set_group)
+      .def("group_slot_bytes", &tandem_ops::LayerStack::group_slot_bytes)
       .def("num_layers", &tandem_ops::LayerStack::num_layers)
       .def("max_rows", &tandem_ops::LayerStack::max_rows)
       .def("forward", &tandem_ops::LayerStack::forward);

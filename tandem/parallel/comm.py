@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import pickle
 import platform
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.parallel.shm import ShmExchange
+from tandem.parallel.shm import GroupFailed, ShmExchange
 
 # TANDEM_GROUP_COMM=gloo forces torch.distributed for every collective (benchmarks compare the two).
 COMM_ENV = "TANDEM_GROUP_COMM"
@@ -57,6 +59,7 @@ class GroupComm:
         if rank == 0 and address.shm_path is not None:
             os.unlink(address.shm_path)
         self.num_collectives = 0
+        self.seconds: dict[str, float] = {}  # wall time in each kind of collective, waiting for peers included
         self.on_close: list[Callable[[], None]] = []  # run first by close() (rank 0: stop the followers)
 
     @property
@@ -67,9 +70,8 @@ class GroupComm:
         return self.shm is not None and nbytes <= self.shm.slot_bytes
 
     # -- collectives ----------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
-        self.num_collectives += 1
         nbytes = t.numel() * t.element_size()
         if not self._fits(nbytes):
             dist.all_reduce(t)
@@ -87,9 +89,8 @@ class GroupComm:
             out = acc.to(t.dtype)
         return out.view(t.shape)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's t (shapes may differ along dim 0), in rank order."""
-        self.num_collectives += 1
         if self.shm is None or t.numel() * t.element_size() > self.shm.slot_bytes:
             return [torch.as_tensor(x, device=self.device) for x in self.gather_objects(t.cpu())]
         flat = t.contiguous().view(-1).view(torch.uint8)
@@ -97,15 +98,21 @@ class GroupComm:
         rest = t.shape[1:]
         return [self.shm.slot_view(r, parity).view(t.dtype).view(-1, *rest).clone() for r in range(self.size)]
 
+    def native_group(self) -> tuple[int, int, int, int] | None:
+        """(address, rank, size, slot bytes) of the shared-memory exchange, for the native layer
+        stack's all-reduces (ops/group_reduce.cpp); None over torch.distributed."""
+        if self.shm is None:
+            return None
+        return self.shm.address, self.rank, self.size, self.shm.slot_bytes
+
     @property
     def slot_bytes(self) -> int:
         return self.shm.slot_bytes if self.shm is not None else 0
 
-    def all_to_all(self, parts: list[torch.Tensor], large: bool = False) -> list[torch.Tensor]:
+    def _all_to_all(self, parts: list[torch.Tensor], large: bool = False) -> list[torch.Tensor]:
         """parts[r] goes to rank r (any length along dim 0, the same trailing shape everywhere);
         returns what each rank sent this one, in rank order. large: some rank sends more than a
         shared-memory slot holds (every rank must say so alike): torch.distributed carries it."""
-        self.num_collectives += 1
         rest, dtype = parts[0].shape[1:], parts[0].dtype
         if self.shm is None or large:
             sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
@@ -127,9 +134,8 @@ class GroupComm:
             out.append(view[start:start + row * counts[self.rank]].view(dtype).view(-1, *rest).clone())
         return out
 
-    def broadcast_object(self, obj: Any = None, patient: bool = False) -> Any:
+    def _broadcast_object(self, obj: Any = None, patient: bool = False) -> Any:
         """Rank 0's obj on every rank (pickled). patient: the followers may wait long (for a step)."""
-        self.num_collectives += 1
         if self.shm is None:
             box = [obj]
             dist.broadcast_object_list(box, src=0)
@@ -151,6 +157,39 @@ class GroupComm:
             dist.broadcast_object_list(box, src=0)
             return box[0]
         return pickle.loads(view[1:].numpy().tobytes())
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
+        with self._timed("all_reduce"):
+            return self._all_reduce(t)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's t (shapes may differ along dim 0), in rank order."""
+        with self._timed("all_gather"):
+            return self._all_gather(t)
+
+    def all_to_all(self, parts: list[torch.Tensor], large: bool = False) -> list[torch.Tensor]:
+        """parts[r] goes to rank r; what each rank sent this one, in rank order (see _all_to_all)."""
+        with self._timed("all_to_all"):
+            return self._all_to_all(parts, large)
+
+    def broadcast_object(self, obj: Any = None, patient: bool = False) -> Any:
+        """Rank 0's obj on every rank (pickled). patient: the followers may wait long (for a step)."""
+        with self._timed("broadcast"):
+            return self._broadcast_object(obj, patient)
+
+    @contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        self.num_collectives += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        except RuntimeError as e:  # gloo's word for a peer that went away
+            if isinstance(e, GroupFailed | ValueError):
+                raise
+            raise GroupFailed(f"a collective failed: {e}") from e
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size

@@ -57,38 +57,43 @@ class ShmExchange:
             with open(path, "wb") as f:
                 f.truncate(total)
         self.mem = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
-        head = self.mem[:HEADER]
-        self.counters = np.ndarray((size,), np.int64, head, 0, (LINE,))
-        self.lengths = np.ndarray((size, 2), np.int64, head, size * LINE, (16, 8))
-        self.pids = np.ndarray((size,), np.int64, head, size * LINE + size * 16, (8,))
+        # The header as 64-bit words (a Python read of one is ~50 ns; numpy's scalars take microseconds):
+        # rank r's counter at word 8r (a cache line each), its two slots' lengths and its pid after them.
         assert size * LINE + size * 24 <= HEADER
+        self.words = memoryview(self.mem[:HEADER]).cast("q")
+        self._length = size * LINE // 8
+        self._pid = self._length + 2 * size
         slots = torch.from_numpy(self.mem[HEADER:].view(np.uint8))
         self.slots = slots.view(size, 2, slot_bytes)
-        # The counters as machine words: a Python read of one is ~50 ns (numpy's are microseconds).
-        self.words = memoryview(self.mem[:HEADER]).cast("q")
-        self.pids[rank] = os.getpid()
+        self.words[self._pid + rank] = os.getpid()
         self.seq = 0
-        self.idle_checks = 0
 
     def exchange(self, payload: torch.Tensor | None, timeout_s: float | None, patient: bool = False) -> int:
         """Publish payload (bytes, uint8; None: nothing) and wait until every rank has published this
         exchange. Returns the parity whose slots now hold everyone's bytes (slot_view reads them).
         timeout_s None: wait as long as the peers live. patient: a long wait is expected (a follower
         waiting for the next step): sleep sooner."""
-        self.seq += 1
+        # The counter holds the last exchange this rank published, from here or from the native layer
+        # stack's all-reduces (ops/group_reduce.cpp), which use this same file.
+        self.seq = self.words[self.rank * LINE // 8] + 1
         parity = self.seq & 1
         n = 0 if payload is None else payload.numel()
         if n > self.slot_bytes:
             raise ValueError(f"{n} bytes exceed the exchange's slot of {self.slot_bytes}")
         if n:
             self.slots[self.rank, parity, :n].copy_(payload)
-        self.lengths[self.rank, parity] = n
-        self.counters[self.rank] = self.seq  # after the bytes: TSO keeps the two stores in this order
+        self.words[self._length + 2 * self.rank + parity] = n
+        self.words[self.rank * LINE // 8] = self.seq  # after the bytes: TSO keeps the two stores in this order
         self._wait(timeout_s, patient)
         return parity
 
+    @property
+    def address(self) -> int:
+        """Where the file is mapped in this process (the native stack's exchanges use it)."""
+        return int(self.mem.ctypes.data)
+
     def slot_view(self, rank: int, parity: int) -> torch.Tensor:
-        return self.slots[rank, parity, :int(self.lengths[rank, parity])]
+        return self.slots[rank, parity, :self.words[self._length + 2 * rank + parity]]
 
     def _wait(self, timeout_s: float | None, patient: bool) -> None:
         words, seq, stride = self.words, self.seq, LINE // 8
@@ -119,6 +124,6 @@ class ShmExchange:
 
     def _check_peers(self) -> None:
         for r in range(self.size):
-            pid = int(self.pids[r])
-            if r != self.rank and self.counters[r] < self.seq and pid and not process_alive(pid):
+            pid = self.words[self._pid + r]
+            if r != self.rank and self.words[r * LINE // 8] < self.seq and pid and not process_alive(pid):
                 raise GroupFailed(f"rank {r} of the worker group (pid {pid}) died")
