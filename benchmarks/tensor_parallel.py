@@ -30,6 +30,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
 CONFIGS = {"tp1": ({}, 1), "tp1-loop": ({"TANDEM_NATIVE_LAYERS": "0"}, 1), "tp2": ({}, 2),
            "tp2-gloo": ({"TANDEM_GROUP_COMM": "gloo"}, 2)}
+# The all-reduce alone: shared memory from compiled code (the engine's), from Python, and gloo.
+LATENCY = {"shm": ("shm", True), "shm-python": ("shm", False), "gloo": ("gloo", False)}
 
 
 def decode_steps(tp: int, batches: list[int], context: int, steps: int, dtype: str) -> dict:
@@ -61,12 +63,12 @@ def decode_steps(tp: int, batches: list[int], context: int, steps: int, dtype: s
         times, ar = [], []
         for _ in range(steps):
             comm = runner.comm
-            before = dict(comm.seconds) if comm else {}
+            before = comm.all_reduce_seconds if comm else 0.0
             t0 = time.perf_counter()
             runner.execute(SchedulerOutput([ScheduledRequest(r, 1, blocks[r.request_id]) for r in reqs]))
             times.append(time.perf_counter() - t0)
             if comm:
-                ar.append(comm.seconds.get("all_reduce", 0.0) - before.get("all_reduce", 0.0))
+                ar.append(comm.all_reduce_seconds - before)
             for r in reqs:
                 r.all_token_ids.append(int(rng.integers(0, vocab)))
                 r.num_computed_tokens += 1
@@ -74,28 +76,32 @@ def decode_steps(tp: int, batches: list[int], context: int, steps: int, dtype: s
         out["step_s"][b] = statistics.median(times[2:])
         if ar:
             out["allreduce_s"][b] = statistics.median(ar[2:])
-    out["collectives"] = dict(runner.comm.seconds) if runner.comm else {}
+    out["collectives"] = {**runner.comm.seconds, "all_reduce": runner.comm.all_reduce_seconds} if runner.comm else {}
     out["backend"] = runner.comm.backend if runner.comm else None
     llm.close()
     return out
 
 
-def allreduce_latency(backend: str, sizes: list[int], dtype: str) -> dict:
+def allreduce_latency(backend: str, sizes: list[int], dtype: str, compiled: bool) -> dict:
     """Two idle ranks (this process and one spawned), all-reducing [rows, 576] tensors back to back."""
     import multiprocessing
 
     import torch
 
+    from tandem.ops import extension
     from tandem.parallel.comm import GroupComm, start_rendezvous
 
     if backend == "gloo":
         os.environ["TANDEM_GROUP_COMM"] = "gloo"
     store, address = start_rendezvous(2, 64 << 20, torch.device("cpu"))
     ctx = multiprocessing.get_context("spawn")
-    peer = ctx.Process(target=_peer, args=(address, sizes, dtype))
+    peer = ctx.Process(target=_peer, args=(address, sizes, dtype, compiled))
     peer.start()
+    os.sched_setaffinity(0, [0])  # the ranks on their own cores, as a group places them (a child process)
     torch.set_num_threads(1)
     comm = GroupComm(0, 2, torch.device("cpu"), address, store)
+    if compiled:
+        comm.use_native(extension.op("group_all_reduce"))
     out = {}
     for rows in sizes:
         t = torch.randn(rows, 576).to(getattr(torch, dtype))
@@ -111,13 +117,17 @@ def allreduce_latency(backend: str, sizes: list[int], dtype: str) -> dict:
     return out
 
 
-def _peer(address: object, sizes: list[int], dtype: str) -> None:
+def _peer(address: object, sizes: list[int], dtype: str, compiled: bool) -> None:
     import torch
 
+    from tandem.ops import extension
     from tandem.parallel.comm import GroupComm
 
+    os.sched_setaffinity(0, [1 % os.cpu_count()])
     torch.set_num_threads(1)
     comm = GroupComm(1, 2, torch.device("cpu"), address)
+    if compiled:
+        comm.use_native(extension.op("group_all_reduce"))
     for rows in sizes:
         t = torch.randn(rows, 576).to(getattr(torch, dtype))
         for _ in range(220):
@@ -162,12 +172,19 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.one in LATENCY:
+        backend, compiled = LATENCY[args.one]
+        print(json.dumps(allreduce_latency(backend, [1, 16, 64, 1024], "float32", compiled)))
+        return
     if args.one:
         print(json.dumps(decode_steps(CONFIGS[args.one][1], batches, args.context, args.steps, args.dtype)))
         return
-    latency = {b: allreduce_latency(b, [1, 16, 64, 1024], "float32") for b in ("shm", "gloo")}
-    for b, res in latency.items():
-        print(f"all-reduce between idle ranks ({b}): " + ", ".join(f"{r} rows {s * 1e6:.0f} us" for r, s in res.items()))
+    latency = {}
+    for backend in LATENCY:
+        proc = subprocess.run([sys.executable, __file__, "--one", backend], capture_output=True, text=True, check=True)
+        latency[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"all-reduce of [rows, 576] float32 between idle ranks ({backend}): "
+              + ", ".join(f"{r} rows {s * 1e6:.0f} us" for r, s in latency[backend].items()))
     if args.allreduce:
         return
     runs: dict[str, list[dict]] = {}

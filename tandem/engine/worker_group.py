@@ -37,6 +37,7 @@ from tandem.engine.group_messages import PoolSpec, StepInputs, Stop
 from tandem.engine.runner import allocate_kv_pool
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.tensor_parallel import Shard
+from tandem.ops import extension
 from tandem.parallel.comm import GroupAddress, GroupComm, start_rendezvous
 from tandem.parallel.shm import GroupFailed
 
@@ -158,6 +159,7 @@ def load_engine_model(config: EngineConfig, log_level: str = "WARNING") -> Loade
     if shard.expert_parallel and not loaded.arch.num_experts:
         raise ValueError(f"expert parallelism needs a mixture-of-experts model; {loaded.name} has no experts")
     group = WorkerGroup(config, loaded.model, log_level, cores)
+    group.comm.use_native(extension.op("group_all_reduce"))
     loaded.model.join_group(group.comm, shard)
     return loaded
 
@@ -187,6 +189,7 @@ def run_follower(start: RankStart) -> None:
     if error is not None:
         sys.exit(1)
     model = loaded.model
+    comm.use_native(extension.op("group_all_reduce"))
     model.join_group(comm, shard)
     kv_caches = None
     while True:

@@ -58,11 +58,14 @@ class ShmExchange:
                 f.truncate(total)
         self.mem = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
         # The header as 64-bit words (a Python read of one is ~50 ns; numpy's scalars take microseconds):
-        # rank r's counter at word 8r (a cache line each), its two slots' lengths and its pid after them.
-        assert size * LINE + size * 24 <= HEADER
+        # rank r's counter at word 8r (a cache line each), its two slots' lengths, its pid and the
+        # nanoseconds its compiled all-reduces took (ops/group_reduce.cpp adds them) after them.
+        assert size * LINE + size * 32 <= HEADER
         self.words = memoryview(self.mem[:HEADER]).cast("q")
+        self.address = int(self.mem.ctypes.data)  # where the file is mapped here (for ops/group_reduce.cpp)
         self._length = size * LINE // 8
         self._pid = self._length + 2 * size
+        self._native_ns = self._pid + size
         slots = torch.from_numpy(self.mem[HEADER:].view(np.uint8))
         self.slots = slots.view(size, 2, slot_bytes)
         self.words[self._pid + rank] = os.getpid()
@@ -87,10 +90,11 @@ class ShmExchange:
         self._wait(timeout_s, patient)
         return parity
 
+
     @property
-    def address(self) -> int:
-        """Where the file is mapped in this process (the native stack's exchanges use it)."""
-        return int(self.mem.ctypes.data)
+    def native_seconds(self) -> float:
+        """Seconds this rank spent in compiled all-reduces (waiting for the peers included)."""
+        return self.words[self._native_ns + self.rank] / 1e9
 
     def slot_view(self, rank: int, parity: int) -> torch.Tensor:
         return self.slots[rank, parity, :self.words[self._length + 2 * rank + parity]]
