@@ -1,4 +1,5 @@
-"""Tensor parallelism: one model across two processes (engine/worker_group.py) equals transformers
+"""Tensor parallelism: one model across two processes (engine/worker_group.py; every layer split, and
+the vocabulary: embedding and head rows by token id) equals transformers
 token for token under greedy float32, with chunked prefill, prefix-cache hits and speculative
 decoding; the shard plan splits heads as documented; the collectives agree over shared memory and gloo."""
 
@@ -40,9 +41,10 @@ CASES = {
                                                    num_key_value_heads=3)),
     "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
-    # One KV head: both ranks hold it, each with half the query heads; sliding layers around a global one.
+    # One KV head: both ranks hold it, each with half the query heads; sliding layers around a global one;
+    # the head tied to the embedding (both split by token id).
     "gemma3-one-kv-head": (Gemma3ForCausalLM, Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        **{**COMMON, "num_hidden_layers": 3, "tie_word_embeddings": True}, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
         sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 

@@ -35,6 +35,7 @@ from tandem import logs
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.group_messages import PoolSpec, StepInputs, Stop
 from tandem.engine.runner import allocate_kv_pool
+from tandem.model.arch import ArchConfig
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.tensor_parallel import Shard
 from tandem.ops import extension
@@ -83,11 +84,14 @@ def _place(parallel: ParallelConfig, cores: list[int] | None) -> None:
     torch.set_num_threads(rank_threads(parallel))
 
 
-def slot_bytes(config: EngineConfig, hidden_size: int, top_k: int) -> int:
-    """The shared-memory slot: a step's widest exchange (a float32 all-reduce of every row, or an
-    expert all-to-all of top-k rows), and the step's pickled inputs."""
+def slot_bytes(config: EngineConfig, arch: ArchConfig) -> int:
+    """The shared-memory slot: a step's widest exchange (a float32 all-reduce of every row, an expert
+    all-to-all of top-k rows, a rank's logits columns of the sampled rows), and the step's pickled
+    inputs. Wider exchanges go through torch.distributed."""
     rows = config.scheduler.max_num_batched_tokens + config.scheduler.max_num_seqs * 8
-    return min(rows * hidden_size * 4 * max(1, top_k) + (4 << 20), 1 << 30)
+    spec = config.speculative.num_speculative_tokens if config.speculative else 0
+    logits = config.scheduler.max_num_seqs * (1 + spec) * arch.local_vocab * 4
+    return min(max(rows * arch.hidden_size * 4 * max(1, arch.num_experts_per_tok), logits) + (4 << 20), 1 << 30)
 
 
 class WorkerGroup:
@@ -97,8 +101,7 @@ class WorkerGroup:
         parallel = config.parallel
         self.size = parallel.world_size
         device = torch.device(config.model.device)
-        store, address = start_rendezvous(self.size, slot_bytes(config, model.cfg.hidden_size,
-                                                                model.cfg.num_experts_per_tok), device)
+        store, address = start_rendezvous(self.size, slot_bytes(config, model.cfg), device)
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(1, self.size):
             start = RankStart(config, shard_of(parallel, rank), address, log_level, cores[rank])

@@ -49,9 +49,17 @@ class ArchConfig:
     # Expert slots this process holds (model/tensor_parallel.py: fewer than num_experts under expert
     # parallelism, plus spare slots for replicas of hot experts); 0: one slot per expert.
     expert_slots: int = 0
+    # Under tensor parallelism, the token ids whose embedding and head rows this process holds
+    # ([start, end)); None: all of them.
+    vocab_shard: tuple[int, int] | None = None
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def local_vocab(self) -> int:
+        """Rows of the embedding and the head held here."""
+        return self.vocab_shard[1] - self.vocab_shard[0] if self.vocab_shard else self.vocab_size
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer in self.sparse_layers

@@ -4,6 +4,7 @@ forward contract the model runner calls (model/llama.py, model/gemma3.py impleme
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +21,15 @@ from tandem.model.native_stack import build_layer_stack, run_layer_stack, stack_
 Methods = Mapping[str, LinearMethod]  # linear module name -> how it holds its weight (model/linear.py)
 
 
+def gather_columns(comm: Any, vocab: int, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's columns of t side by side ([rows, local vocab] -> [rows, vocab]): gathered as
+    rows of the transpose, since the ranks' column counts may differ. No rows (a step that samples
+    nothing, alike on every rank): nothing to gather."""
+    if t.shape[0] == 0:
+        return t.new_empty(0, vocab)
+    return torch.cat(comm.all_gather(t.t().contiguous())).t().contiguous()
+
+
 class CausalLM(nn.Module):
     """A family's model: the embedding, its decoder layers (layer_cls(cfg, dtype, methods, i)), the
     final norm, the head and the global rotary table; subclasses add what else they hold and compute
@@ -31,10 +41,11 @@ class CausalLM(nn.Module):
         super().__init__()
         methods = methods or {}
         self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE))
+        self.embed_tokens = Embedding(cfg.local_vocab, cfg.hidden_size, dtype, methods.get("embed_tokens", DENSE),
+                                      cfg.vocab_shard[0] if cfg.vocab_shard else 0)
         self.layers = nn.ModuleList(layer_cls(cfg, dtype, methods, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, methods.get("lm_head", DENSE))
+        self.lm_head = Linear(cfg.hidden_size, cfg.local_vocab, False, dtype, methods.get("lm_head", DENSE))
         self.rotary = RotaryEmbedding.of(cfg, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
@@ -62,6 +73,9 @@ class CausalLM(nn.Module):
                 module.reduce = comm.all_reduce
             if hasattr(module, "join_group") and module is not self:
                 module.join_group(comm, shard)
+        if self.cfg.vocab_shard is not None:  # vocab-parallel: each rank embeds and scores its token ids
+            self.embed_tokens.reduce = comm.all_reduce
+            self.lm_head.reduce = functools.partial(gather_columns, comm, self.cfg.vocab_size)
 
     def expert_loads(self) -> list[ExpertLoad]:
         """Each mixture-of-experts layer's last load window (model/moe.py; none for a dense model)."""

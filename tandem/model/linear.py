@@ -176,12 +176,17 @@ def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mappi
 
 
 class Embedding(nn.Module):
-    """Token embeddings, dense or as the file's blocks (the rows a step looks up are dequantized)."""
+    """Token embeddings, dense or as the file's blocks (the rows a step looks up are dequantized).
+    first_id: the first token id of the rows held (tensor parallelism splits the vocabulary: ids
+    outside the rows embed as zeros here, and reduce sums the ranks' rows)."""
 
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, method: LinearMethod = DENSE) -> None:
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, method: LinearMethod = DENSE,
+                 first_id: int = 0) -> None:
         super().__init__()
         self.table = Linear(dim, num_embeddings, bias=False, dtype=dtype, method=method)
         self.head_panels: torch.Tensor | None = None
+        self.first_id = first_id
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def share_head(self, head: Linear) -> None:
         """A tied head packed into small_batch_linear's panels holds the table already: rows are read
@@ -192,6 +197,14 @@ class Embedding(nn.Module):
             self.table.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return self.lookup(ids)
+        local = ids - self.first_id
+        held = (local >= 0) & (local < self.table.out_features)
+        rows = self.lookup(torch.where(held, local, 0))
+        return self.reduce(rows * held.unsqueeze(-1).to(rows.dtype))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
         if self.head_panels is not None:  # [P, K/2, 32, 2]: row 32p + j is [p, :, j, :]
             flat = ids.reshape(-1)

@@ -8,9 +8,12 @@ default model's 3 KV heads over 2 ranks: 2 and 1), so rank 0's KV pool is the la
 block count it computes fits every rank. Fewer KV heads than ranks: each KV head is held by
 size / num_kv_heads ranks, which split its query heads.
 
+The vocabulary is split too: each rank holds its token ids' rows of the embedding (a lookup of the
+others is zero, and an all-reduce sums the ranks') and of the head (its logits columns, gathered).
+
 Expert parallelism gives each rank whole experts (contiguous) instead of a slice of every expert,
-plus spare slots that hold replicas of hot experts (EPLB, model/moe.py). Embeddings, norms, the
-router and the head are whole on every rank.
+plus spare slots that hold replicas of hot experts (EPLB, model/moe.py). Norms and the router are
+whole on every rank.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def shard_arch(arch: ArchConfig, shard: Shard) -> ArchConfig:
     if shard.splits_layers:
         i0, i1 = split_range(arch.intermediate_size, shard.size, shard.rank, _unit(arch.intermediate_size, shard.size))
         changes["intermediate_size"] = i1 - i0
+        changes["vocab_shard"] = split_range(arch.vocab_size, shard.size, shard.rank)
     if arch.num_experts:
         if shard.splits_experts:
             m = arch.moe_intermediate_size
@@ -138,6 +142,8 @@ def shard_weights(weights: dict[str, Weight], arch: ArchConfig, shard: Shard) ->
         name = full.removeprefix("model.")
         m = _LAYER.match(name)
         if m is None:
+            if shard.splits_layers and name in ("embed_tokens.weight", "lm_head.weight"):
+                w = _rows(w, split_range(arch.vocab_size, shard.size, shard.rank))  # vocab-parallel
             out[full] = w
             continue
         rest = m.group(2)
