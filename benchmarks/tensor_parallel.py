@@ -150,6 +150,7 @@ def plot(results: dict, path: Path) -> None:
         batches = sorted(int(b) for b in tp2["allreduce_s"])
         ax.plot(batches, [tp2["allreduce_s"][str(b)] * 1e3 for b in batches], ls="--", label="tp2: in all-reduces")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("decode batch (requests)")
     ax.set_ylabel("decode step (ms, median)")
     ax.set_title(f"TP 2 (two 1-thread processes) vs one 2-thread process, context {results['context']}")

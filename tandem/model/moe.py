@@ -41,8 +41,16 @@ class ExpertLoad:
     @property
     def imbalance(self) -> float:
         """max / mean of the ranks' rows (1.0: perfectly even)."""
-        total = sum(self.per_rank)
-        return max(self.per_rank) * len(self.per_rank) / total if total else 1.0
+        return spread(self.per_rank)
+
+
+REBALANCE_GAIN = 0.05  # the least fall in max / mean rows per rank that a new placement must bring
+
+
+def spread(loads: list[float]) -> float:
+    """max / mean (1.0: even)."""
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
 
 
 class Router(nn.Module):
@@ -167,8 +175,9 @@ class SparseMoE(nn.Module):
         moved = False
         if self.spare and sum(per_expert):
             placement = rebalance(per_expert, self.ranks, self.slots)
-            if rank_loads(placement, per_expert, self.ranks, self.slots) != \
-                    rank_loads(self.placement, per_expert, self.ranks, self.slots):
+            # Moving experts costs an all-to-all of their weights: only for a real gain on this window.
+            if spread(rank_loads(self.placement, per_expert, self.ranks, self.slots)) - \
+                    spread(rank_loads(placement, per_expert, self.ranks, self.slots)) > REBALANCE_GAIN:
                 self._move_to(placement)
                 self.rebalances += 1
                 moved = True

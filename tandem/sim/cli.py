@@ -19,6 +19,19 @@ def _progress(text: str) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    if args.collectives:
+        from tandem.sim.collectives import measure_collectives, save
+
+        fit = measure_collectives(args.group_size, args.device)
+        save(fit, args.collectives)
+        links = "; ".join(f"{kind} {link.latency_s * 1e6:.1f} us + {link.bandwidth / 1e9:.2f} GB/s"
+                          for kind, link in fit.links.items())
+        print(f"{fit.ranks} ranks over {fit.backend} ({fit.device}): {links}; the fits within "
+              f"{fit.max_error * 100:.0f}% of every point; wrote {args.collectives}")
+        for kind, nbytes, measured, predicted in fit.points:
+            print(f"  {kind:10} {nbytes / 1024:9.1f} KiB  measured {measured * 1e6:8.1f} us  "
+                  f"fitted {predicted * 1e6:8.1f} us")
+        return 0
     if args.gpu:
         shape = model_shape(args.model_shape or "llama-13b", args.weight_bytes)
         cost = RooflineCost(gpu(args.gpu, args.inter_node), shape, args.tp, args.kv_link)
@@ -80,6 +93,11 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-args", default="",
                    help="flags for that server (for a worker's profile: '--workers 1 --worker-cores 0', one "
                         "colocated worker behind a router)")
+    c = p.add_argument_group("a worker group's collectives (no model): the link `tandem plan --intra-link` uses")
+    c.add_argument("--collectives", default=None, metavar="FILE",
+                   help="time all-reduce and all-to-all between --group-size ranks on --device, fit a link, write it")
+    c.add_argument("--group-size", type=int, default=2)
+    c.add_argument("--device", default="cpu", help="cpu (shared memory between processes) or cuda (NCCL)")
     g = p.add_argument_group("analytic profile (no engine runs): a GPU's data sheet and a model's shape")
     g.add_argument("--gpu", default=None, choices=sorted(GPUS), help="price steps on this GPU instead of measuring")
     g.add_argument("--model-shape", default=None,
@@ -167,6 +185,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-gpus", type=int, default=8, help="GPUs a candidate may use")
     g.add_argument("--max-instances", type=int, default=4, help="instances per pool a candidate may have")
     g.add_argument("--kv-link", default="inter", choices=["intra", "inter"])
+    g.add_argument("--intra-link", default=None, metavar="FILE",
+                   help="price the node's links (TP all-reduces, on-node all-to-alls) with a measured link "
+                        "(`tandem profile --collectives FILE`) instead of the data sheet's")
     m = p.add_argument_group("mixture of experts (a MoE --model-shape plans the decode pool's expert parallelism)")
     m.add_argument("--ep-widths", default="8,16,32,64,128,256", help="decode pool widths (GPUs) to consider")
     m.add_argument("--context", type=int, default=4096, help="mean tokens of context a decoding stream holds")

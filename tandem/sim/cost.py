@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tandem.sim.colocation import Neighbours
-from tandem.sim.hardware import Hardware, Link
+from tandem.sim.hardware import Hardware
 from tandem.sim.model_shape import ModelShape
 
 # Token counts where a measured step's cost bends (the quantized kernel gives way to a GEMM, tiles
@@ -207,12 +207,6 @@ def fit_steps(shapes: Sequence[StepShape], seconds: Sequence[float],
     return out.tolist()
 
 
-def _allreduce_time(num_bytes: float, n: int, link: Link) -> float:
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency_s
-
-
 @dataclass
 class RooflineCost:
     """A step on `tp` GPUs of one kind: the larger of its FLOPs over the achievable FLOP/s and its
@@ -252,7 +246,7 @@ class RooflineCost:
             weights += m.num_moe_layers * touched * m.expert_params
         kv_read = m.kv_bytes_per_token * (shape.decode_context + shape.prefill_pairs / max(shape.num_tokens, 1))
         memory = (weights * m.weight_bytes_per_param + kv_read) / (hw.mem_bandwidth * hw.memory_efficiency * self.tp)
-        comm = 2 * m.num_layers * _allreduce_time(shape.num_tokens * m.hidden_size * 2, self.tp, hw.intra_node)
+        comm = 2 * m.num_layers * hw.intra_node.all_reduce_seconds(shape.num_tokens * m.hidden_size * 2, self.tp)
         return max(compute, memory) + comm + hw.step_overhead_s
 
     def transfer_time(self, num_bytes: float) -> float:

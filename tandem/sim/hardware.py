@@ -18,6 +18,18 @@ class Link:
     bandwidth: float  # bytes/s, one direction, per GPU
     latency_s: float
 
+    def all_reduce_seconds(self, num_bytes: float, n: int) -> float:
+        """A ring all-reduce of num_bytes over n ranks."""
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * self.latency_s + 2 * (n - 1) / n * num_bytes / self.bandwidth
+
+    def all_to_all_seconds(self, num_bytes: float, n: int) -> float:
+        """An all-to-all in which every rank holds num_bytes, (n - 1) / n of them for the others."""
+        if n <= 1:
+            return 0.0
+        return self.latency_s + (1 - 1 / n) * num_bytes / self.bandwidth
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -28,6 +40,8 @@ class Hardware:
     mem_bytes: float
     intra_node: Link  # between the GPUs of one node (NVLink)
     inter_node: Link  # between nodes (RDMA NIC per GPU)
+    # The node's all-to-alls where measured apart from its all-reduces (sim/collectives.py); None: intra_node.
+    intra_node_all_to_all: Link | None = None
     gpus_per_node: int = 8
     compute_efficiency: float = 0.65
     memory_efficiency: float = 0.8
@@ -41,6 +55,8 @@ class Hardware:
         data = dict(data)
         data["intra_node"] = Link(**data["intra_node"])
         data["inter_node"] = Link(**data["inter_node"])
+        if data.get("intra_node_all_to_all"):
+            data["intra_node_all_to_all"] = Link(**data["intra_node_all_to_all"])
         return cls(**data)
 
 

@@ -105,8 +105,9 @@ class MoEDecode:
         nbytes = tokens_in * m.hidden_size * (1 + 2) * (1 - 1 / self.width)
         off_node = max(self.width - hw.gpus_per_node, 0) / self.width
         on_node = 1 - off_node
-        t = max(nbytes * on_node / hw.intra_node.bandwidth, nbytes * off_node / hw.inter_node.bandwidth)
-        link = hw.inter_node if off_node else hw.intra_node
+        node_link = hw.intra_node_all_to_all or hw.intra_node
+        t = max(nbytes * on_node / node_link.bandwidth, nbytes * off_node / hw.inter_node.bandwidth)
+        link = hw.inter_node if off_node else node_link
         return t + 2 * link.latency_s
 
     def step_time(self, batch: int) -> float:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,26 @@ from tandem.bench.metrics import parse_list
 from tandem.bench.serve import load_bench_tokenizer, workload_config
 from tandem.bench.workloads import generate
 from tandem.sim.cluster import SimSession
+from tandem.sim.collectives import load as load_collectives
 from tandem.sim.cost import CostModel, RooflineCost, StepShape, load_profile
-from tandem.sim.hardware import gpu
+from tandem.sim.hardware import Hardware, gpu
 from tandem.sim.model_shape import model_shape
 from tandem.sim.moe import WidthRow, format_width_table, plan_expert_parallel
 from tandem.sim.plan import Planner, PlanRow, format_table, plot_curves
 from tandem.sim.run import engine_configs, to_sim_sessions
 
 CostMaker = Callable[[str, int], CostModel]
+
+
+def node(args: argparse.Namespace) -> Hardware:
+    """The GPU by data sheet, its node's links measured where --intra-link gives them."""
+    hw = gpu(args.gpu)
+    if getattr(args, "intra_link", None):
+        links = load_collectives(args.intra_link).links
+        hw = replace(hw, intra_node=links["all_reduce"], intra_node_all_to_all=links["all_to_all"])
+        print("links within a node (measured, " + args.intra_link + "): " + "; ".join(
+            f"{link.name} {link.latency_s * 1e6:.1f} us + {link.bandwidth / 1e9:.2f} GB/s" for link in links.values()))
+    return hw
 
 
 def cost_maker(args: argparse.Namespace) -> tuple[CostMaker, dict[str, Any]]:
@@ -34,7 +47,7 @@ def cost_maker(args: argparse.Namespace) -> tuple[CostMaker, dict[str, Any]]:
             return measured
 
         return measured_cost, measured.engine
-    hw, shape = gpu(args.gpu), model_shape(args.model_shape)
+    hw, shape = node(args), model_shape(args.model_shape)
     cache: dict[int, RooflineCost] = {}
 
     def roofline(role: str, tp: int) -> CostModel:
@@ -59,7 +72,7 @@ def start_rate(make_cost: CostMaker, sessions: list[SimSession], tp: int) -> flo
 def run_moe_plan(args: argparse.Namespace) -> list[WidthRow]:
     """A mixture of experts: the decode pool's expert-parallel width (the prefill pool and the
     deployment's P/D split are the dense search's questions; this is the one MoE adds)."""
-    hw, shape = gpu(args.gpu), model_shape(args.model_shape)
+    hw, shape = node(args), model_shape(args.model_shape)
     widths = [int(x) for x in parse_list(args.ep_widths, "--ep-widths")]
     widths = [w for w in widths if shape.num_experts % w == 0]
     rows = plan_expert_parallel(hw, shape, widths, args.slo_tpot / 1000, args.context, args.expert_skew)
