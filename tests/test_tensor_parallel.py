@@ -45,7 +45,8 @@ CASES = {
     # the head tied to the embedding (both split by token id).
     "gemma3-one-kv-head": (Gemma3ForCausalLM, Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 3, "tie_word_embeddings": True}, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+        num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 
