@@ -91,6 +91,21 @@ def hf_reference(default_model_path: Path):  # noqa: ANN201
     return load_hf_gguf(default_model_path)
 
 
+def random_hf_model(cls, cfg, path: Path, adjust=None):  # noqa: ANN001, ANN201
+    """A transformers model of cls built from cfg with random weights everywhere (norm weights in
+    [0.5, 1.5], biases included, so every weight is exercised), seeded, saved to path as safetensors;
+    adjust(name, parameter) may change a parameter in place first. Returns (path, model)."""
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.08)
+            if adjust is not None:
+                adjust(name, p)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids])

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_pool_clean
+from conftest import assert_pool_clean, random_hf_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tandem import LLM, SamplingParams
@@ -25,23 +25,18 @@ VOCAB = 96
 def build(root: Path, norm_topk: bool = True, skew: bool = False,
           dense_first: bool = True) -> tuple[Path, torch.nn.Module]:
     """8 experts, top 2, layer 0 dense (mlp_only_layers) if dense_first (llama.cpp's qwen3moe has every
-    layer sparse). skew: the router favours experts 0-3 (rank 0's
-    under expert parallelism over 2 ranks)."""
+    layer sparse). skew: the router favours experts 0-3 (rank 0's under expert parallelism over 2 ranks)."""
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0] if dense_first else [],
                          max_position_embeddings=256, tie_word_embeddings=False, norm_topk_prob=norm_topk)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.08)
-            if skew and name.endswith("mlp.gate.weight"):
-                p[4:] *= 0.02
-                p[:4] *= 4.0
-    path = root / f"qwen3moe-{norm_topk}-{skew}-{dense_first}"
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
+
+    def skewed(name: str, p: torch.Tensor) -> None:
+        if skew and name.endswith("mlp.gate.weight"):
+            p[4:] *= 0.02
+            p[:4] *= 4.0
+
+    return random_hf_model(Qwen3MoeForCausalLM, cfg, root / f"qwen3moe-{norm_topk}-{skew}-{dense_first}", skewed)
 
 
 def write_gguf(model: torch.nn.Module, path: Path) -> None:

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import assert_pool_clean
+from conftest import assert_pool_clean, hf_greedy, random_hf_model
 from server_utils import running_server
 from transformers import (
     Gemma3ForCausalLM,
@@ -52,21 +52,7 @@ CASES = {
 
 def build(kind: str, root: Path) -> tuple[Path, torch.nn.Module]:
     cls, cfg = CASES[kind]
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.08)
-    path = root / kind
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
-
-
-def hf_greedy(ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return random_hf_model(cls, cfg, root / kind)
 
 
 def arch(heads: int, kv_heads: int, inter: int = 1536) -> ArchConfig:
@@ -177,6 +163,7 @@ def test_tp2_greedy_matches_transformers(kind: str, layers: str, models, monkeyp
 def test_tp2_speculative_decoding_matches_transformers(models) -> None:  # noqa: ANN001
     """Drafts verified across the group: a copy-heavy prompt, n-gram drafts, the same greedy tokens."""
     path, ref = models["llama-uneven"]
+    placement = os.sched_getaffinity(0), torch.get_num_threads()
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_blocks=64, block_size=4,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     try:
@@ -188,6 +175,8 @@ def test_tp2_speculative_decoding_matches_transformers(models) -> None:  # noqa:
         assert_pool_clean(llm.engine)
     finally:
         llm.close()
+    # Rank 0 was this process, pinned to its cores while the group lived: as it was again.
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == placement
 
 
 def _followers(root: int) -> list[int]:

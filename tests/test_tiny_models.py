@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import random_hf_model
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -49,15 +50,7 @@ CASES = {
 
 def build(kind: str, root: Path) -> tuple[Path, torch.nn.Module]:
     cls, cfg = CASES[kind]
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Random everywhere, biases and norm weights included, so every weight is exercised.
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.08)
-    path = root / kind
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
+    return random_hf_model(cls, cfg, root / kind)
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "pytorch"])

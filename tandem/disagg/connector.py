@@ -45,6 +45,7 @@ class KVSendConnector(KVConnector[_SendPlan]):
         self._next_block: dict[str, int] = {}  # first block not yet sent complete, per request
         self._kv: torch.Tensor | None = None
         self._plan: _SendPlan | None = None
+        self._provided: tuple[int, torch.Tensor] | None = None  # (layer, its blocks' KV, every head)
 
     def send_to(self, handle: TransferHandle) -> None:
         """The request with this id (added next) ships its KV to the handle's blocks."""
@@ -96,17 +97,32 @@ class KVSendConnector(KVConnector[_SendPlan]):
     def has_layer_work(self) -> bool:
         return self._plan is not None and bool(self._plan.sends)
 
+    def layer_blocks(self) -> torch.Tensor | None:
+        if self._plan is None or not self._plan.sends:
+            return None
+        return torch.cat([src for _, src, _ in self._plan.sends])
+
+    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
+        self._provided = (layer, kv)
+
     def save_layer(self, layer: int) -> None:
         assert self._plan is not None and self._kv is not None
-        kv = self._kv[layer]
+        provided = self._provided[1] if self._provided is not None and self._provided[0] == layer else None
+        offset = 0
         for handle, src, dst in self._plan.sends:
-            self.sender.write(handle, layer, dst, kv.index_select(1, src))
+            if provided is not None:  # a worker group's blocks with every rank's heads, in layer_blocks' order
+                blocks = provided[:, offset:offset + len(src)]
+                offset += len(src)
+            else:
+                blocks = self._kv[layer].index_select(1, src)
+            self.sender.write(handle, layer, dst, blocks)
 
     def finish_step(self) -> None:
         # Reached only when the forward pass completed: a step that fails is retried and sends it all again.
         if self._plan is not None:
             self._next_block.update(self._plan.progress)
         self._plan = None
+        self._provided = None
 
 
 def ship_blocks(sender: KVSender, kv_caches: torch.Tensor, handle: TransferHandle, src: list[int],

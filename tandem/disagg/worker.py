@@ -80,9 +80,9 @@ class Worker(EngineService):
                  cores: list[int] | None, kv_transport: str, kv_host: str) -> None:
         from tandem.engine.worker_group import load_engine_model
 
-        if config.parallel.world_size > 1:
-            raise ValueError("cluster workers run one process each: a worker group (tensor or expert "
-                             "parallelism) behind the router is not built yet")
+        if config.parallel.world_size > 1 and role != "prefill":
+            raise ValueError("a worker group (tensor or expert parallelism) serves the prefill role only: "
+                             "receiving KV into a group is not built yet")
         self.role, self.worker_id, self.cores = role, worker_id, cores
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)

@@ -23,6 +23,9 @@ class StepInputs:
     input_ids: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
+    # Blocks whose KV every rank contributes its heads of after each layer (a KV connector sends them
+    # from rank 0: a disaggregated prefill); None: no gathers this step.
+    gather_blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,16 @@ class KVConnector(Generic[MetaT]):
         """Whether the forward pass must call wait_for_layer_load / save_layer this step."""
         return False
 
+    def layer_blocks(self) -> torch.Tensor | None:
+        """The pool blocks save_layer reads this step ([U] block ids; None: none). A worker group's
+        rank holds only its KV heads: the runner gathers these blocks' heads from every rank after
+        each layer and hands them over (provide_layer) before save_layer."""
+        return None
+
+    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
+        """Layer's KV of layer_blocks(), every KV head ([2, U, block_size, heads, row]): save_layer
+        reads it instead of this rank's share of the pool."""
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -197,6 +207,17 @@ class MultiConnector(KVConnector[MultiMeta]):
     @property
     def has_layer_work(self) -> bool:
         return any(c.has_layer_work for c in self.connectors)
+
+    def layer_blocks(self) -> torch.Tensor | None:
+        blocks = [b for b in (c.layer_blocks() for c in self.connectors) if b is not None]
+        if len(blocks) > 1:
+            raise NotImplementedError("a worker group gathers the layer blocks of one connector a step")
+        return blocks[0] if blocks else None
+
+    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
+        for c in self.connectors:
+            if c.layer_blocks() is not None:
+                c.provide_layer(layer, kv)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -27,6 +27,7 @@ from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, build_attention_metadata
 from tandem.model.causal_lm import CausalLM
+from tandem.model.tensor_parallel import gather_kv_heads
 from tandem.parallel.shm import GroupFailed
 
 GiB = 1 << 30
@@ -99,7 +100,16 @@ class ModelRunner:
         """Every rank runs the step; any failure here leaves the ranks out of step with each other, so
         it fails the group (the engine fails what is in flight; its owner starts a new group)."""
         try:
-            self.comm.broadcast_object(StepInputs(ids, meta, idx))
+            blocks = self.connector.layer_blocks() if after_layer is not None else None
+            self.comm.broadcast_object(StepInputs(ids, meta, idx, blocks))
+            if blocks is not None and after_layer is not None:
+                save = after_layer
+
+                def after_layer(layer: int) -> None:  # the blocks' every KV head, then the connector's work
+                    kv = gather_kv_heads(self.comm, self.kv_caches, layer, blocks, self.model.kv_head_ranges)
+                    self.connector.provide_layer(layer, kv)
+                    save(layer)
+
             return self.model(ids, meta, self.kv_caches, idx, after_layer)
         except GroupFailed:
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import pickle
@@ -37,7 +38,7 @@ from tandem.engine.group_messages import PoolSpec, StepInputs, Stop
 from tandem.engine.runner import allocate_kv_pool
 from tandem.model.arch import ArchConfig
 from tandem.model.loader import LoadedModel, load_model
-from tandem.model.tensor_parallel import Shard
+from tandem.model.tensor_parallel import Shard, gather_kv_heads, head_ranges
 from tandem.ops import extension
 from tandem.parallel.comm import GroupAddress, GroupComm, start_rendezvous
 from tandem.parallel.shm import GroupFailed
@@ -64,6 +65,11 @@ def shard_of(parallel: ParallelConfig, rank: int) -> Shard:
                  eplb_interval=parallel.eplb_interval)
 
 
+def kv_head_ranges(arch: ArchConfig, parallel: ParallelConfig) -> list[tuple[int, int]]:
+    """Each rank's KV heads of the whole model (arch)."""
+    return [head_ranges(arch, shard_of(parallel, r))[1] for r in range(parallel.world_size)]
+
+
 def rank_threads(parallel: ParallelConfig) -> int:
     return max(1, parallel.num_threads // parallel.world_size)
 
@@ -82,6 +88,11 @@ def _place(parallel: ParallelConfig, cores: list[int] | None) -> None:
     if cores is not None:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(rank_threads(parallel))
+
+
+def _unplace(cores: set[int], threads: int) -> None:
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
 
 
 def slot_bytes(config: EngineConfig, arch: ArchConfig) -> int:
@@ -156,14 +167,22 @@ def load_engine_model(config: EngineConfig, log_level: str = "WARNING") -> Loade
     if parallel.world_size == 1:
         return load_model(m.model, m.dtype, m.device, m.quantization)
     cores = [rank_cores(parallel, r) for r in range(parallel.world_size)]
+    # Rank 0 is the caller's own process: pinned to its cores while the group lives, as it was after.
+    before = os.sched_getaffinity(0), torch.get_num_threads()
     _place(parallel, cores[0])
-    shard = shard_of(parallel, 0)
-    loaded = load_model(m.model, m.dtype, m.device, m.quantization, shard=shard)
-    if shard.expert_parallel and not loaded.arch.num_experts:
-        raise ValueError(f"expert parallelism needs a mixture-of-experts model; {loaded.name} has no experts")
-    group = WorkerGroup(config, loaded.model, log_level, cores)
+    try:
+        shard = shard_of(parallel, 0)
+        loaded = load_model(m.model, m.dtype, m.device, m.quantization, shard=shard)
+        if shard.expert_parallel and not loaded.arch.num_experts:
+            raise ValueError(f"expert parallelism needs a mixture-of-experts model; {loaded.name} has no experts")
+        group = WorkerGroup(config, loaded.model, log_level, cores)
+    except BaseException:
+        _unplace(*before)
+        raise
+    group.comm.on_close.append(lambda: _unplace(*before))
     group.comm.use_native(extension.op("group_all_reduce"))
     loaded.model.join_group(group.comm, shard)
+    loaded.model.kv_head_ranges = kv_head_ranges(loaded.arch, parallel)
     return loaded
 
 
@@ -194,12 +213,16 @@ def run_follower(start: RankStart) -> None:
     model = loaded.model
     comm.use_native(extension.op("group_all_reduce"))
     model.join_group(comm, shard)
+    model.kv_head_ranges = kv_head_ranges(loaded.arch, config.parallel)
     kv_caches = None
     while True:
         msg = comm.broadcast_object(None, patient=True)
         if isinstance(msg, StepInputs):
             assert kv_caches is not None
-            model(msg.input_ids, msg.meta, kv_caches, msg.logits_indices)
+            # Rank 0 sends these blocks' KV (a disaggregated prefill): this rank's heads of them, each layer.
+            after_layer = None if msg.gather_blocks is None else functools.partial(
+                gather_kv_heads, comm, kv_caches, blocks=msg.gather_blocks, kv_head_ranges=model.kv_head_ranges)
+            model(msg.input_ids, msg.meta, kv_caches, msg.logits_indices, after_layer)
         elif isinstance(msg, PoolSpec):
             kv_caches = allocate_kv_pool(config, model.cfg, msg.num_blocks, device)
         elif isinstance(msg, Stop):

@@ -58,6 +58,7 @@ class CausalLM(nn.Module):
         self._stack_built = False
         self.native_steps = 0  # steps the stack served (tests and benchmarks read it)
         self.comm: Any | None = None  # the worker group's collectives (parallel/comm.py), once joined
+        self.kv_head_ranges: list[tuple[int, int]] = []  # in a group: each rank's KV heads (rank 0 gathers them)
 
     def join_group(self, comm: Any, shard: Any) -> None:
         """Step as one shard (model/tensor_parallel.py's Shard, as built) of a worker group:

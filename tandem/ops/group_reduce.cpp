@@ -26,6 +26,9 @@ namespace {
 constexpr int64_t kHeader = 4096;
 constexpr int64_t kLineWords = 8;
 constexpr double kTimeoutS = 600.0;  // parallel/comm.py's STEP_TIMEOUT_S
+// Pauses before yielding the core: a balanced peer arrives within them; a rank sharing its core with
+// its peer (more ranks than cores) must not spin long before letting it run.
+constexpr int64_t kSpins = 2000;
 
 bool process_alive(int64_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -57,11 +60,11 @@ at::Tensor group_all_reduce(const at::Tensor& t, int64_t base, int64_t rank, int
     int64_t spins = 0;
     auto start = std::chrono::steady_clock::time_point();
     while (__atomic_load_n(&words[r * kLineWords], __ATOMIC_ACQUIRE) < seq) {
-      if (++spins < 20000) {
+      if (++spins < kSpins) {
         _mm_pause();
         continue;
       }
-      if (spins == 20000) start = std::chrono::steady_clock::now();
+      if (spins == kSpins) start = std::chrono::steady_clock::now();
       sched_yield();
       if (spins % 4096 == 0) {
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

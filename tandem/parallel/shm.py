@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 LINE = 64  # one counter per cache line: ranks never write the same line
+PATIENT_YIELD_S = 0.02  # a follower between steps yields this long before it sleeps
 HEADER = 4096
 
 
@@ -112,8 +113,11 @@ class ShmExchange:
 
     def _wait_long(self, rank: int, timeout_s: float | None, patient: bool) -> None:
         """Yield the core, then sleep (an idle follower waiting for the next step costs no core),
-        checking now and then that the peers are alive."""
+        checking now and then that the peers are alive. A follower waiting for the next step yields
+        for as long as rank 0 usually takes between two steps (sampling, scheduling: milliseconds),
+        so it starts the step at once rather than a sleep's length late."""
         word, start, turns = rank * LINE // 8, time.monotonic(), 0
+        yield_s = PATIENT_YIELD_S if patient else 0.002
         while self.words[word] < self.seq:
             turns += 1
             now = time.monotonic()
@@ -121,10 +125,10 @@ class ShmExchange:
                 raise GroupFailed(f"rank {rank} of the worker group did not answer in {timeout_s:.0f} s")
             if turns % 64 == 0:
                 self._check_peers()
-            if patient or now - start > 0.002:
-                time.sleep(min(0.001, (now - start) / 8) if patient else 0.0002)
-            else:
+            if now - start < yield_s:
                 os.sched_yield()
+            else:
+                time.sleep(min(0.001, (now - start) / 8) if patient else 0.0002)
 
     def _check_peers(self) -> None:
         for r in range(self.size):

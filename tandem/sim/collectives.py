@@ -79,7 +79,7 @@ def _rank(rank: int, n: int, address: Any, hidden: int, device: str, repeats: in
     if device == "cpu" and os.cpu_count() and os.cpu_count() >= n:  # type: ignore[operator]
         os.sched_setaffinity(0, [rank])  # a rank a core, as a worker group pins them
     torch.set_num_threads(1)
-    comm = GroupComm(rank, n, torch.device(device), address, address.store if rank == 0 else None)
+    comm = GroupComm(rank, n, torch.device(device), address)
     if device == "cpu":
         comm.use_native(extension.op("group_all_reduce"))
     points = []
@@ -103,16 +103,9 @@ def _rank(rank: int, n: int, address: Any, hidden: int, device: str, repeats: in
     comm.close()
 
 
-@dataclass
-class _Address:  # GroupAddress plus the store rank 0 must keep (it is the server)
-    store_port: int
-    shm_path: str | None
-    slot_bytes: int
-    store: Any = None
-
-
 def measure_collectives(ranks: int = 2, device: str = "cpu", hidden: int = 4096, repeats: int = 50) -> CollectiveFit:
-    """Time the group's all-reduce and all-to-all between idle ranks (this process is rank 0)."""
+    """Time the group's all-reduce and all-to-all between idle ranks (child processes; this one holds
+    the rendezvous)."""
     import torch
 
     from tandem.parallel.comm import GroupAddress, start_rendezvous
@@ -121,15 +114,15 @@ def measure_collectives(ranks: int = 2, device: str = "cpu", hidden: int = 4096,
     store, address = start_rendezvous(ranks, slot, torch.device(device))
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
+    # Every rank a child process (each pins itself to a core): the caller's own placement is untouched.
     plain = GroupAddress(address.store_port, address.shm_path, address.slot_bytes)
-    peers = [ctx.Process(target=_rank, args=(r, ranks, plain, hidden, device, repeats, queue)) for r in range(1, ranks)]
+    peers = [ctx.Process(target=_rank, args=(r, ranks, plain, hidden, device, repeats, queue)) for r in range(ranks)]
     for p in peers:
         p.start()
-    _rank(0, ranks, _Address(address.store_port, address.shm_path, address.slot_bytes, store), hidden, device,
-          repeats, queue)
     points, backend = queue.get(timeout=600)
     for p in peers:
         p.join(60)
+    del store  # the rendezvous's server lived here for the ranks
     links = {kind: fit_link([p for p in points if p[0] == kind], ranks, f"measured-{backend}-{kind}")
              for kind in ("all_reduce", "all_to_all")}
 
