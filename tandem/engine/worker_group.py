@@ -135,10 +135,6 @@ class WorkerGroup:
         logs.startup.info("worker group: %d ranks (tensor parallel %d, expert parallel %d), collectives over %s",
                           self.size, parallel.tensor_parallel_size, parallel.expert_parallel_size, self.comm.backend)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def stop(self) -> None:
         """Tell the followers to exit (when they can still hear it), then make sure they did."""
         try:

@@ -58,7 +58,6 @@ class GroupComm:
         dist.barrier()  # everyone has mapped the file: rank 0 unlinks it (no file outlives the group)
         if rank == 0 and address.shm_path is not None:
             os.unlink(address.shm_path)
-        self.num_collectives = 0
         self.seconds: dict[str, float] = {}  # wall time in each kind of collective, waiting for peers included
         self.on_close: list[Callable[[], None]] = []  # run first by close() (rank 0: stop the followers)
         # The compiled all-reduce over the same exchange (ops/group_reduce.cpp), when the caller has it
@@ -169,8 +168,7 @@ class GroupComm:
         """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
         native, shm = self._native_all_reduce, self.shm
         if native is not None and shm is not None and t.device.type == "cpu" and \
-                t.numel() * t.element_size() <= shm.slot_bytes:
-            self.num_collectives += 1  # timed by the compiled code itself (all_reduce_seconds)
+                self._fits(t.numel() * t.element_size()):  # timed by the compiled code itself (all_reduce_seconds)
             return native(t, shm.address, self.rank, self.size, shm.slot_bytes)
         with self._timed("all_reduce"):
             return self._all_reduce(t)
@@ -199,7 +197,6 @@ class GroupComm:
 
     @contextmanager
     def _timed(self, kind: str) -> Iterator[None]:
-        self.num_collectives += 1
         t0 = time.perf_counter()
         try:
             yield
