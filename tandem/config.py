@@ -260,7 +260,8 @@ class EngineConfig:
         if self.cache.prefix_caching_hash_algo not in ("builtin", "sha256"):
             raise ValueError("prefix_caching_hash_algo must be 'builtin' or 'sha256'")
         self.parallel.validate()
-        if self.parallel.world_size > 1 and self.cache.store_settings().enabled:
-            raise ValueError("a worker group (tensor or expert parallelism) with the tiered KV store is not built yet")
+        if self.parallel.world_size > 1 and self.cache.store_settings().enabled and self.model.device != "cpu":
+            raise ValueError("the tiered KV store reads every rank's KV heads through shared host memory: a worker "
+                             f"group on {self.model.device} cannot use it yet")
         if self.speculative is not None:
             self.speculative.validate()

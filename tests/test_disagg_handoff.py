@@ -30,11 +30,15 @@ BLOCK = 4
 VOCAB = 96
 
 
-def engine(path: Path, budget: int, allocator=None, connector: KVConnector | None = None,  # noqa: ANN001
+def engine(path: Path, budget: int, receiver: KVReceiver | None = None, connector: KVConnector | None = None,
            kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=96, block_size=BLOCK,
                                       max_num_batched_tokens=budget, num_threads=1, kv_cache_dtype=kv_cache_dtype)
-    return EngineCore(config, load_model(str(path), torch.float32).model, allocator, connector)
+    core = EngineCore(config, load_model(str(path), torch.float32).model, connector,
+                      shared_kv=receiver is not None and receiver.needs_shared_pool)
+    if receiver is not None:
+        receiver.attach(core.runner.kv_pool)
+    return core
 
 
 def prefill_engine(path: Path, budget: int, kv_cache_dtype: str = "auto") -> EngineCore:
@@ -42,7 +46,7 @@ def prefill_engine(path: Path, budget: int, kv_cache_dtype: str = "auto") -> Eng
 
 
 def decode_engine(path: Path, budget: int, receiver: KVReceiver, kv_cache_dtype: str = "auto") -> EngineCore:
-    return engine(path, budget, receiver.allocate_pool, KVRecvConnector(receiver, BLOCK), kv_cache_dtype)
+    return engine(path, budget, receiver, KVRecvConnector(receiver, BLOCK), kv_cache_dtype)
 
 
 def run_colocated(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -59,9 +59,14 @@ def test_pool_is_backed_by_huge_pages_once_written() -> None:
 
 
 def test_engine_pool_uses_it() -> None:
-    from tandem.engine.runner import default_kv_allocator
+    from tandem.config import EngineConfig
+    from tandem.engine.runner import allocate_kv_pool
+    from tandem.model.arch import ArchConfig
 
-    pool = default_kv_allocator((2, 2, 8, 16, 2, 32), torch.float32, torch.device("cpu"))
+    config = EngineConfig.from_kwargs("unused", dtype="float32", num_blocks=8, block_size=16, prefault_kv_cache=False)
+    arch = ArchConfig("llama", 64, 64, 128, 2, 4, 2, 32, 1e-5, 1e4, 256, True)
+    pool = allocate_kv_pool(config, arch, 8, torch.device("cpu")).local
+    assert pool.shape == (2, 2, 8, 16, 2, 32)
     if huge_pages_supported():
         assert pool.data_ptr() % HUGE_PAGE == 0
     assert torch.count_nonzero(pool) == 0

@@ -10,6 +10,7 @@ import torch
 
 from tandem.disagg.transport import KVReceiver, TransferHandle, TransferResult
 from tandem.disagg.transports.factory import RoutingSender, make_receiver
+from tandem.kv.pool import KVPool
 
 SHAPE = (3, 2, 64, 16, 2, 8)  # layers, K/V, blocks, block size, kv heads, head dim
 SECRET = b"s3cret"
@@ -46,7 +47,8 @@ def _send_in_child(handle: TransferHandle, secret: bytes, seed: int, dtype: torc
 
 def _open(kind: str, dtype: torch.dtype) -> KVReceiver:
     receiver = make_receiver(kind, "127.0.0.1", 0, SECRET)
-    receiver.allocate_pool(SHAPE, dtype, torch.device("cpu"))
+    receiver.attach(KVPool.in_shared_memory(SHAPE, dtype) if receiver.needs_shared_pool
+                    else KVPool.whole(torch.zeros(SHAPE, dtype=dtype)))
     return receiver
 
 
@@ -68,11 +70,11 @@ def test_transport_is_bit_exact_across_processes(kind: str, dtype: torch.dtype) 
         expected = _layer_slices(7, len(blocks), dtype)
         assert receiver.pool is not None
         for layer in range(SHAPE[0]):
-            got = receiver.pool[layer][:, blocks[2:]]
+            got = receiver.pool.local[layer][:, blocks[2:]]
             assert torch.equal(got.view(torch.uint8), expected[layer][:, 2:].contiguous().view(torch.uint8))
             # Cached blocks were not sent, and nothing outside the reservation was touched.
             untouched = [b for b in range(SHAPE[2]) if b not in blocks[2:]]
-            assert not receiver.pool[layer][:, untouched].any()
+            assert not receiver.pool.local[layer][:, untouched].any()
         assert result.num_bytes == sum(t[:, 2:].numel() * t.element_size() for t in expected)
     finally:
         receiver.shutdown()
@@ -85,7 +87,7 @@ def test_zmq_refuses_a_wrong_secret() -> None:
         receiver.open("r1", [1, 2])
         result = _send(handle, b"not the secret", 3, torch.bfloat16)
         assert not result.ok and "secret" in (result.error or "")
-        assert receiver.pool is not None and not receiver.pool.any()
+        assert receiver.pool is not None and not receiver.pool.local.any()
     finally:
         receiver.shutdown()
 
@@ -100,6 +102,6 @@ def test_zmq_refuses_writes_outside_an_open_reservation() -> None:
         receiver.close("r1")
         late = _send(TransferHandle("r1", [1, 2], 0, receiver.endpoint), SECRET, 4, torch.bfloat16)
         assert not late.ok and "no open reservation" in (late.error or "")
-        assert receiver.pool is not None and not receiver.pool[:, :, 3].any()
+        assert receiver.pool is not None and not receiver.pool.local[:, :, 3].any()
     finally:
         receiver.shutdown()

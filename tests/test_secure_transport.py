@@ -23,6 +23,7 @@ from tandem.disagg.transport import TransferHandle, TransferResult
 from tandem.disagg.transports.zmq_tcp import REFUSED, ZmqReceiver, ZmqSender, max_kv_frame
 from tandem.engine.messages import AddRequests
 from tandem.engine.request import Request
+from tandem.kv.pool import KVPool
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +71,7 @@ def transfer(sender: ZmqSender, handle: TransferHandle, kv: torch.Tensor, timeou
 @pytest.fixture
 def receiver() -> Iterator[ZmqReceiver]:
     r = ZmqReceiver("127.0.0.1", 0, SECRET)
-    r.allocate_pool(SHAPE, torch.uint8, torch.device("cpu"))
+    r.attach(KVPool.whole(torch.zeros(SHAPE, dtype=torch.uint8)))
     yield r
     r.shutdown()
 
@@ -114,7 +115,8 @@ def test_a_wiretap_on_a_kv_transfer_sees_neither_the_kv_nor_the_ids(receiver: Zm
         sender.close()
     assert result.ok, result.error
     assert receiver.pool is not None
-    assert bytes(receiver.pool[1][:, blocks].contiguous().view(-1).numpy()) == bytes(pattern_slice(3).view(-1).numpy())
+    got = receiver.pool.local[1][:, blocks].contiguous()
+    assert bytes(got.view(-1).numpy()) == bytes(pattern_slice(3).view(-1).numpy())
     captured = proxy.captured()
     assert len(captured) > 2 * SHAPE[0] * pattern_slice(3).numel()  # the KV did go through the tap
     assert PATTERN[:12] not in captured and RID.encode() not in captured
@@ -213,10 +215,10 @@ def test_the_kv_receiver_refuses_replayed_frames(receiver: ZmqReceiver, kv_clien
     ack = recv(kv_client)
     assert ack is not None and channel.verify(ack)[0] == ("ack", "r1", None)
     assert receiver.pool is not None
-    receiver.pool.zero_()
+    receiver.pool.local.zero_()
     kv_client.send_multipart(frames)  # the same signed frames, on the same connection
     assert recv(kv_client) == [REFUSED]
-    assert not receiver.pool.any()
+    assert not receiver.pool.local.any()
 
 
 def test_a_recorded_kv_transfer_replayed_on_a_fresh_connection_gets_nowhere(receiver: ZmqReceiver,
@@ -230,18 +232,18 @@ def test_a_recorded_kv_transfer_replayed_on_a_fresh_connection_gets_nowhere(rece
     assert wait_for(lambda: proxy.closed_upstream)  # the sender's connection is over
     recorded = bytes(proxy.upstream)
     assert receiver.pool is not None
-    receiver.pool.zero_()
+    receiver.pool.local.zero_()
     with socket.create_connection(("127.0.0.1", receiver.port), timeout=5) as tap:
         tap.sendall(recorded)
         time.sleep(0.5)
-    assert not receiver.pool.any()  # the handshake does not survive a replay: nothing was applied
+    assert not receiver.pool.local.any()  # the handshake does not survive a replay: nothing was applied
     # And it serves the next legitimate transfer.
     sender = ZmqSender(SECRET)
     try:
         assert transfer(sender, through(proxy, receiver, "r2", [3]), pattern_slice(1)).ok
     finally:
         sender.close()
-    assert receiver.pool[:, :, 3].any()
+    assert receiver.pool.local[:, :, 3].any()
 
 
 # -- bounded input ----------------------------------------------------------------------------------
@@ -267,7 +269,7 @@ def test_an_oversize_frame_drops_the_connection_before_it_is_buffered(receiver: 
         client.send_multipart(channel.sign(("fin", "big")))
         ack = recv(client, 10_000)
         assert ack is not None and channel.verify(ack)[0] == ("ack", "big", None)
-        assert receiver.pool is not None and not receiver.pool.any()
+        assert receiver.pool is not None and not receiver.pool.local.any()
     finally:
         client.close(linger=0)
     sender = ZmqSender(SECRET)
@@ -345,7 +347,7 @@ def test_a_kv_sender_with_the_wrong_secret_fails_fast(receiver: ZmqReceiver) -> 
         assert not result.ok and "secret" in (result.error or "") and time.monotonic() - t0 < 5
     finally:
         sender.close()
-    assert receiver.pool is not None and not receiver.pool.any()
+    assert receiver.pool is not None and not receiver.pool.local.any()
 
 
 def test_derived_keys_are_deterministic_and_distinct() -> None:

@@ -29,6 +29,7 @@ from tandem.disagg.transport import KVReceiver, KVSender, TransferHandle
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ConnectorMeta, ScheduledRequest
+from tandem.kv.pool import KVPool
 
 
 @dataclass
@@ -43,9 +44,8 @@ class KVSendConnector(KVConnector[_SendPlan]):
         self.block_size = block_size
         self._handles: dict[str, TransferHandle] = {}
         self._next_block: dict[str, int] = {}  # first block not yet sent complete, per request
-        self._kv: torch.Tensor | None = None
+        self._kv: KVPool | None = None
         self._plan: _SendPlan | None = None
-        self._provided: tuple[int, torch.Tensor] | None = None  # (layer, its blocks' KV, every head)
 
     def send_to(self, handle: TransferHandle) -> None:
         """The request with this id (added next) ships its KV to the handle's blocks."""
@@ -87,8 +87,8 @@ class KVSendConnector(KVConnector[_SendPlan]):
         self._next_block.pop(request_id, None)
 
     # -- worker half ----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
-        self._kv = kv_caches
+    def register_kv_caches(self, pool: KVPool) -> None:
+        self._kv = pool
 
     def start_step(self, meta: _SendPlan | None) -> None:
         self._plan = meta
@@ -97,43 +97,26 @@ class KVSendConnector(KVConnector[_SendPlan]):
     def has_layer_work(self) -> bool:
         return self._plan is not None and bool(self._plan.sends)
 
-    def layer_blocks(self) -> torch.Tensor | None:
-        if self._plan is None or not self._plan.sends:
-            return None
-        return torch.cat([src for _, src, _ in self._plan.sends])
-
-    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
-        self._provided = (layer, kv)
-
     def save_layer(self, layer: int) -> None:
         assert self._plan is not None and self._kv is not None
-        provided = self._provided[1] if self._provided is not None and self._provided[0] == layer else None
-        offset = 0
-        for handle, src, dst in self._plan.sends:
-            if provided is not None:  # a worker group's blocks with every rank's heads, in layer_blocks' order
-                blocks = provided[:, offset:offset + len(src)]
-                offset += len(src)
-            else:
-                blocks = self._kv[layer].index_select(1, src)
-            self.sender.write(handle, layer, dst, blocks)
+        for handle, src, dst in self._plan.sends:  # every KV head: a worker group's ranks' too
+            self.sender.write(handle, layer, dst, self._kv.read_layer(layer, src))
 
     def finish_step(self) -> None:
         # Reached only when the forward pass completed: a step that fails is retried and sends it all again.
         if self._plan is not None:
             self._next_block.update(self._plan.progress)
         self._plan = None
-        self._provided = None
 
 
-def ship_blocks(sender: KVSender, kv_caches: torch.Tensor, handle: TransferHandle, src: list[int],
-                dst: list[int]) -> None:
+def ship_blocks(sender: KVSender, pool: KVPool, handle: TransferHandle, src: list[int], dst: list[int]) -> None:
     """Every layer of these blocks at once (a migration: the KV is all computed already); the
     caller fences with sender.finish."""
     if not src:
         return
     index = torch.tensor(src, dtype=torch.long)
-    for layer in range(kv_caches.shape[0]):
-        sender.write(handle, layer, dst, kv_caches[layer].index_select(1, index))
+    for layer in range(pool.shape[0]):
+        sender.write(handle, layer, dst, pool.read_layer(layer, index))
 
 
 class KVRecvConnector(KVConnector):

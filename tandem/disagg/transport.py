@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kv.pool import KVPool
+
 
 class TransferError(RuntimeError):
     pass
@@ -33,10 +35,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class KVEndpoint:
     kind: str  # "shm" or "zmq"
-    address: str  # shm: a path the pool can be mapped from; zmq: tcp://host:port
+    address: str  # shm: the path of the pool's first part (its identity); zmq: tcp://host:port
     host: str  # shm works only from this host
-    pool_shape: tuple[int, ...]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    pool_shape: tuple[int, ...]  # [layers, 2, blocks, block_size, kv_heads, head_dim]: every KV head
     dtype: str
+    # shm: each part of the pool (a worker group's ranks' KV heads): (path, first head, end head).
+    parts: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -161,22 +165,31 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side: allocates the pool the engine uses and guards which blocks may be written."""
+    """Decode side: writes into the engine's pool (every KV head, kv/pool.py) and guards which blocks
+    may be written."""
+
+    needs_shared_pool = False  # the sender maps the pool itself: it must be in shared memory
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, frozenset[int]] = {}
-        self.pool: torch.Tensor | None = None
-        self._endpoint: KVEndpoint | None = None  # set by allocate_pool
+        self.pool: KVPool | None = None
+        self._endpoint: KVEndpoint | None = None  # set by attach
         self.bytes_received = 0
 
+    def attach(self, pool: KVPool) -> None:
+        """Receive into this pool from now on."""
+        self.pool = pool
+        self._endpoint = self._attach(pool)
+
     @abstractmethod
-    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+    def _attach(self, pool: KVPool) -> KVEndpoint:
+        """Get ready to receive into pool; where senders reach it."""
 
     @property
     def endpoint(self) -> KVEndpoint:
         if self._endpoint is None:
-            raise RuntimeError("allocate_pool() first")
+            raise RuntimeError("attach() a pool first")
         return self._endpoint
 
     def open(self, request_id: str, block_ids: list[int]) -> None:
@@ -196,7 +209,7 @@ class KVReceiver(ABC):
             if not allowed.issuperset(dst_block_ids):
                 raise TransferError(f"write outside the blocks reserved for {request_id!r}")
             assert self.pool is not None
-            self.pool[layer][:, dst_block_ids] = kv
+            self.pool.write_layer(layer, dst_block_ids, kv)
             self.bytes_received += kv.numel() * kv.element_size()
 
     def shutdown(self) -> None:  # noqa: B027

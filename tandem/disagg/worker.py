@@ -80,9 +80,6 @@ class Worker(EngineService):
                  cores: list[int] | None, kv_transport: str, kv_host: str) -> None:
         from tandem.engine.worker_group import load_engine_model
 
-        if config.parallel.world_size > 1 and role != "prefill":
-            raise ValueError("a worker group (tensor or expert parallelism) serves the prefill role only: "
-                             "receiving KV into a group is not built yet")
         self.role, self.worker_id, self.cores = role, worker_id, cores
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -112,8 +109,13 @@ class Worker(EngineService):
             connector = self.kv_recv if role == "decode" else MultiConnector([self.kv_send, self.kv_recv])
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_engine_model(config)
-        super().__init__(EngineCore(config, loaded.model, self.receiver.allocate_pool if self.receiver else None,
-                                    connector, tokenizer=loaded.tokenizer))
+        super().__init__(EngineCore(config, loaded.model, connector, loaded.tokenizer,
+                                    shared_kv=self.receiver is not None and self.receiver.needs_shared_pool))
+        if not self.core.runner.kv_pool.complete:
+            raise ValueError(f"a worker group on {config.model.device} cannot share its ranks' KV pools with rank 0 "
+                             "(only CPU groups do): run this worker with one process")
+        if self.receiver is not None:
+            self.receiver.attach(self.core.runner.kv_pool)
         self.handlers.update({
             AbortRequests: self._on_abort, Forget: lambda m: self.sender.forget(m.kv_address),
             Reserve: lambda m: self.reserve(m.request), Prefill: self._on_prefill, Admit: self._on_admit,
@@ -210,7 +212,7 @@ class Worker(EngineService):
             self.send(Migrated(rid, False, reason=f"the reservation holds {len(handle.block_ids)} blocks, "
                                f"the request {end}"))
             return
-        ship_blocks(self.sender, self.core.runner.kv_caches, handle, block_ids[start:end], handle.block_ids[start:end])
+        ship_blocks(self.sender, self.core.runner.kv_pool, handle, block_ids[start:end], handle.block_ids[start:end])
         self.sender.finish(handle)
         self.migrating.add(rid)
         self._collect_transfers()  # a synchronous transport (shm) has landed already: answer now, not after a step

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.runner import KVAllocator, ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
+from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.scheduler import Scheduler, SchedulerStats
 from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts
 from tandem.engine.speed import SpeedTracker, StepSpeed
@@ -26,7 +26,6 @@ from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.block_pool import BlockEvent
 from tandem.logs import startup
-from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
 from tandem.ops.extension import extension_error, extension_isa, load_extension
@@ -78,7 +77,15 @@ class StepStats:
         return self.schedule_s + self.update_s + self.runner.prepare_s + self.runner.forward_s + self.runner.sample_s
 
 
-def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchConfig, fingerprint: int) -> KVConnector:
+def kv_block_nbytes(config: EngineConfig, model: CausalLM) -> int:
+    """A block of every layer and KV head of the whole model (a worker group's ranks' heads together)."""
+    arch = model.cfg
+    if model.kv_head_ranges:
+        arch = replace(arch, num_kv_heads=max(h1 for _, h1 in model.kv_head_ranges))
+    return engine_kv_layout(config, arch).bytes_per_token(arch) * config.cache.block_size
+
+
+def with_store(connector: KVConnector | None, config: EngineConfig, model: CausalLM, fingerprint: int) -> KVConnector:
     """The engine's connector: the one it was given, and the tiered store when one is configured
     (after it, so that a decode worker's expected prompts arrive from their prefill worker)."""
     settings = config.cache.store_settings()
@@ -87,7 +94,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
     from tandem.engine.store_connector import StoreConnector
     from tandem.kv.store.tiered import TieredStore, open_tiers
 
-    block_nbytes = engine_kv_layout(config, arch).bytes_per_token(arch) * config.cache.block_size
+    block_nbytes = kv_block_nbytes(config, model)
     ident = f"{fingerprint & (2**64 - 1):016x}-{block_nbytes}"
     store = StoreConnector(TieredStore(open_tiers(settings, block_nbytes, ident), block_nbytes),
                            config.cache.block_size)
@@ -96,8 +103,9 @@ def with_store(connector: KVConnector | None, config: EngineConfig, arch: ArchCo
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: CausalLM, kv_allocator: KVAllocator | None = None,
-                 connector: KVConnector | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, connector: KVConnector | None = None,
+                 tokenizer: Any = None, shared_kv: bool = False) -> None:
+        """shared_kv: the KV pool in memory other processes map (a prefill worker writes into it)."""
         threads = max(1, config.parallel.num_threads // config.parallel.world_size)  # each rank's share
         torch.set_num_threads(threads)
         if torch.device(config.model.device).type == "cpu":
@@ -116,8 +124,8 @@ class EngineCore:
         self.block_key_extra = (fingerprint, config.cache.block_size)
         if layout.quantized:  # int8 rows are other bytes than the model dtype's: never each other's hits
             self.block_key_extra += (layout.name,)
-        self.connector = with_store(connector, config, model.cfg, fingerprint)
-        self.runner = ModelRunner(config, model, num_blocks, kv_allocator, self.connector)
+        self.connector = with_store(connector, config, model, fingerprint)
+        self.runner = ModelRunner(config, model, num_blocks, self.connector, shared_kv)
         # Grammar-constrained requests need the tokenizer's strings; without one they fail in their step.
         self.structured = StructuredState(Grammars(tokenizer, model.cfg.vocab_size)) if tokenizer is not None else None
         self.runner.structured = self.structured
@@ -136,7 +144,7 @@ class EngineCore:
         self.num_decode_steps = 0
         self.speed: SpeedTracker | None = None  # profiled when serving (profile_speed): admission predicts from it
         startup.info("KV pool: %.2f GiB = %d tokens (%d blocks of %d; %s, %d bytes a token), max_model_len %d",
-                     self.runner.kv_caches.numel() * self.runner.kv_caches.itemsize / 2**30,
+                     self.runner.kv_pool.nbytes / 2**30,
                      num_blocks * config.cache.block_size, num_blocks, config.cache.block_size, layout.name,
                      layout.bytes_per_token(model.cfg), self.max_model_len)
 

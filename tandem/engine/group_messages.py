@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kv.pool import SharedPart
 from tandem.model.attention import AttentionMetadata
 
 
@@ -14,6 +15,8 @@ class PoolSpec:
     """Rank 0's KV pool, which every rank mirrors in its own share of the KV heads."""
 
     num_blocks: int
+    # Each rank's part, allocated by rank 0 in shared memory (kv/pool.py); None: each rank allocates its own.
+    parts: list[SharedPart | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -23,9 +26,6 @@ class StepInputs:
     input_ids: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    # Blocks whose KV every rank contributes its heads of after each layer (a KV connector sends them
-    # from rank 0: a disaggregated prefill); None: no gathers this step.
-    gather_blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ Scheduler half (called by `Scheduler`, once per decision):
     type, engine/step.py), from the scheduled requests.
 
 Worker half (called by `ModelRunner`, around the forward pass):
-  - `register_kv_caches`: the pool tensor, once;
+  - `register_kv_caches`: the pool, once (kv/pool.py: every KV head, a worker group's ranks' too);
   - `start_step`: the step's plan, before the forward pass;
   - `wait_for_layer_load`: before layer i runs (a connector loading layer by layer blocks here);
   - `save_layer`: layer i's KV is in the pool (sent or saved while layer i+1 computes);
@@ -35,10 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from tandem.engine.request import Request
 from tandem.engine.step import ConnectorMeta, ScheduledRequest
+from tandem.kv.pool import KVPool
 
 MetaT = TypeVar("MetaT", bound=ConnectorMeta)
 
@@ -90,7 +89,7 @@ class KVConnector(Generic[MetaT]):
         """The request's last step was undone (it is computed again): forget what it did."""
 
     # -- worker half ----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+    def register_kv_caches(self, pool: KVPool) -> None:
         pass
 
     def start_step(self, meta: MetaT | None) -> None:
@@ -109,16 +108,6 @@ class KVConnector(Generic[MetaT]):
     def has_layer_work(self) -> bool:
         """Whether the forward pass must call wait_for_layer_load / save_layer this step."""
         return False
-
-    def layer_blocks(self) -> torch.Tensor | None:
-        """The pool blocks save_layer reads this step ([U] block ids; None: none). A worker group's
-        rank holds only its KV heads: the runner gathers these blocks' heads from every rank after
-        each layer and hands them over (provide_layer) before save_layer."""
-        return None
-
-    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
-        """Layer's KV of layer_blocks(), every KV head ([2, U, block_size, heads, row]): save_layer
-        reads it instead of this rank's share of the pool."""
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -183,9 +172,9 @@ class MultiConnector(KVConnector[MultiMeta]):
         for c in self.connectors:
             c.reset(request_id)
 
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+    def register_kv_caches(self, pool: KVPool) -> None:
         for c in self.connectors:
-            c.register_kv_caches(kv_caches)
+            c.register_kv_caches(pool)
 
     def start_step(self, meta: MultiMeta | None) -> None:
         parts = meta.parts if meta is not None else [None] * len(self.connectors)
@@ -207,17 +196,6 @@ class MultiConnector(KVConnector[MultiMeta]):
     @property
     def has_layer_work(self) -> bool:
         return any(c.has_layer_work for c in self.connectors)
-
-    def layer_blocks(self) -> torch.Tensor | None:
-        blocks = [b for b in (c.layer_blocks() for c in self.connectors) if b is not None]
-        if len(blocks) > 1:
-            raise NotImplementedError("a worker group gathers the layer blocks of one connector a step")
-        return blocks[0] if blocks else None
-
-    def provide_layer(self, layer: int, kv: torch.Tensor) -> None:
-        for c in self.connectors:
-            if c.layer_blocks() is not None:
-                c.provide_layer(layer, kv)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -24,10 +24,10 @@ from tandem.engine.sampler import sample, token_logprobs
 from tandem.engine.step import SchedulerOutput
 from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
+from tandem.kv.pool import KVPool, PoolPart, shared_zeros
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, build_attention_metadata
 from tandem.model.causal_lm import CausalLM
-from tandem.model.tensor_parallel import gather_kv_heads
 from tandem.parallel.shm import GroupFailed
 
 GiB = 1 << 30
@@ -56,42 +56,52 @@ def num_kv_blocks(config: EngineConfig, arch: ArchConfig) -> int:
     return max(int(config.cache.kv_cache_memory * GiB) // per_block, 1)
 
 
-KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
-
-
-def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed and lazily committed, so a large pool costs nothing until used; on CPU on huge pages."""
-    if device.type == "cpu":
-        return huge_page_zeros(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 def allocate_kv_pool(config: EngineConfig, arch: ArchConfig, num_blocks: int, device: torch.device,
-                     kv_allocator: KVAllocator | None = None) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, block_size, num_kv_heads, row] in the layout's dtype (arch: this
-    process's shape, its share of the KV heads in a worker group)."""
+                     head_ranges: list[tuple[int, int]] | None = None, shared: bool = False) -> KVPool:
+    """The pool: [num_layers, 2, num_blocks, block_size, kv heads, row] in the layout's dtype, one part
+    per range of KV heads (a worker group's ranks, head_ranges; arch is rank 0's shape). Shared (in
+    memory other processes map: a worker group's followers, a prefill worker writing into a decode
+    worker) where asked or where there are several parts; on a device other than the CPU rank 0
+    holds only its own part (the followers allocate theirs). Otherwise zeroed and lazily committed,
+    on huge pages (kv/host_memory.py)."""
     layout = engine_kv_layout(config, arch)
-    shape = (arch.num_layers, 2, num_blocks, config.cache.block_size, arch.num_kv_heads, layout.row_dim)
-    kv_caches = (kv_allocator or default_kv_allocator)(shape, layout.dtype, device)
-    if config.cache.prefault_kv_cache:
-        prefault(kv_caches)
-    return kv_caches
+    ranges = head_ranges or [(0, arch.num_kv_heads)]
+    total = max(h1 for _, h1 in ranges)
+    if device.type != "cpu":
+        ranges = ranges[:1]
+    parts: list[PoolPart] = []
+    for h0, h1 in ranges:
+        shape = (arch.num_layers, 2, num_blocks, config.cache.block_size, h1 - h0, layout.row_dim)
+        if device.type == "cpu" and (shared or len(ranges) > 1):
+            tensor, where = shared_zeros(shape, layout.dtype)
+            parts.append(PoolPart((h0, h1), tensor, where))
+        else:
+            tensor = huge_page_zeros(shape, layout.dtype) if device.type == "cpu" else \
+                torch.zeros(shape, dtype=layout.dtype, device=device)
+            parts.append(PoolPart((h0, h1), tensor))
+        if config.cache.prefault_kv_cache:
+            prefault(tensor)
+    return KVPool(parts, total)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
-                 kv_allocator: KVAllocator | None = None, connector: KVConnector | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int, connector: KVConnector | None = None,
+                 shared_kv: bool = False) -> None:
         self.model = model
         self.block_size = config.cache.block_size
         self.device = torch.device(config.model.device)
-        self.kv_caches = allocate_kv_pool(config, model.cfg, num_blocks, self.device, kv_allocator)
-        self.kv_quantized = engine_kv_layout(config, model.cfg).quantized
-        # In a worker group (engine/worker_group.py) every rank mirrors this pool and runs each step.
+        # In a worker group (engine/worker_group.py) every rank holds its KV heads of these blocks
+        # and runs each step; rank 0 sees every rank's part (kv/pool.py) where they share memory.
         self.comm = model.comm
+        self.kv_pool = allocate_kv_pool(config, model.cfg, num_blocks, self.device, model.kv_head_ranges or None,
+                                        shared_kv)
+        self.kv_caches = self.kv_pool.local  # what this process's model runs on
+        self.kv_quantized = engine_kv_layout(config, model.cfg).quantized
         if self.comm is not None:
-            self.comm.broadcast_object(PoolSpec(num_blocks))
+            parts = self.kv_pool.parts
+            self.comm.broadcast_object(PoolSpec(num_blocks, [p.shared for p in parts] if len(parts) > 1 else None))
         self.connector = connector or KVConnector()
-        self.connector.register_kv_caches(self.kv_caches)
+        self.connector.register_kv_caches(self.kv_pool)
         self.structured: StructuredState | None = None  # set by the engine core when it has a tokenizer
         self.block_tables = BlockTables(config.scheduler.max_num_seqs)  # grows with the longest table
 
@@ -100,16 +110,7 @@ class ModelRunner:
         """Every rank runs the step; any failure here leaves the ranks out of step with each other, so
         it fails the group (the engine fails what is in flight; its owner starts a new group)."""
         try:
-            blocks = self.connector.layer_blocks() if after_layer is not None else None
-            self.comm.broadcast_object(StepInputs(ids, meta, idx, blocks))
-            if blocks is not None and after_layer is not None:
-                save = after_layer
-
-                def after_layer(layer: int) -> None:  # the blocks' every KV head, then the connector's work
-                    kv = gather_kv_heads(self.comm, self.kv_caches, layer, blocks, self.model.kv_head_ranges)
-                    self.connector.provide_layer(layer, kv)
-                    save(layer)
-
+            self.comm.broadcast_object(StepInputs(ids, meta, idx))
             return self.model(ids, meta, self.kv_caches, idx, after_layer)
         except GroupFailed:
             raise

@@ -27,11 +27,10 @@ import torch
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request
 from tandem.engine.step import ConnectorMeta, ScheduledRequest
+from tandem.kv.pool import KVPool
 from tandem.kv.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # numpy has no bfloat16
 
 
 @dataclass
@@ -66,7 +65,7 @@ class StoreConnector(KVConnector[_SavePlan]):
         self.store = store
         self.block_size = block_size
         self.counters = StoreCounters()
-        self._kv: torch.Tensor | None = None
+        self._kv: KVPool | None = None
         self._saved: dict[str, int] = {}  # request id -> blocks considered for saving
         self._plan: _SavePlan | None = None
         self._loads: dict[str, _Load] = {}
@@ -145,18 +144,11 @@ class StoreConnector(KVConnector[_SavePlan]):
                 self._progress.wait(timeout)
 
     # -- worker half ----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
-        self._kv = kv_caches
-        layers, two, _, block_size, heads, dim = kv_caches.shape
-        self._block_shape = (layers, two, block_size, heads, dim)
-        # The loader writes a CPU pool through numpy: a plain memcpy on its own thread, where a torch
-        # copy would start an OpenMP team that fights the engine's spinning threads for the cores.
-        self._kv_np: np.ndarray | None = None
-        if kv_caches.device.type == "cpu":
-            self._kv_np = kv_caches.view(_INT_OF_SIZE[kv_caches.element_size()]).numpy()
-        nbytes = layers * two * block_size * heads * dim * kv_caches.element_size()
-        if nbytes != self.store.block_nbytes:
-            raise ValueError(f"the store holds blocks of {self.store.block_nbytes} bytes; this pool's are {nbytes}")
+    def register_kv_caches(self, pool: KVPool) -> None:
+        self._kv = pool
+        if pool.block_nbytes != self.store.block_nbytes:
+            raise ValueError(f"the store holds blocks of {self.store.block_nbytes} bytes; this pool's are "
+                             f"{pool.block_nbytes}")
 
     def start_step(self, meta: _SavePlan | None) -> None:
         self._plan = meta
@@ -167,7 +159,7 @@ class StoreConnector(KVConnector[_SavePlan]):
         if plan is None or self._kv is None:
             return
         ids = torch.tensor(plan.block_ids, dtype=torch.long, device=self._kv.device)
-        blocks = self._kv.index_select(2, ids).movedim(2, 0).contiguous().cpu()  # [n, layers, 2, ...]
+        blocks = self._kv.read_blocks(ids)  # [n, layers, 2, ...], every KV head
         try:
             self._save_queue.put_nowait((plan.keys, blocks))
         except queue.Full:  # the store is a cache: these blocks are recomputed if they are needed again
@@ -220,11 +212,7 @@ class StoreConnector(KVConnector[_SavePlan]):
                 self.counters.verify_failures_seen += 1
                 return n  # it vanished or did not verify: the rest is computed
             self.counters.tier_hits[tier] = self.counters.tier_hits.get(tier, 0) + 1
-            if self._kv_np is not None:
-                np.copyto(self._kv_np[:, :, block_id], staging.view(self._kv_np.dtype).reshape(self._block_shape))
-            else:
-                block = torch.from_numpy(staging).view(self._kv.dtype).view(self._block_shape)
-                self._kv[:, :, block_id].copy_(block)
+            self._kv.write_block(block_id, staging)
         return len(load.keys)
 
     def stats(self) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import os
 import pickle
@@ -36,9 +35,10 @@ from tandem import logs
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.group_messages import PoolSpec, StepInputs, Stop
 from tandem.engine.runner import allocate_kv_pool
+from tandem.kv.pool import map_shared
 from tandem.model.arch import ArchConfig
 from tandem.model.loader import LoadedModel, load_model
-from tandem.model.tensor_parallel import Shard, gather_kv_heads, head_ranges
+from tandem.model.tensor_parallel import Shard, head_ranges
 from tandem.ops import extension
 from tandem.parallel.comm import GroupAddress, GroupComm, start_rendezvous
 from tandem.parallel.shm import GroupFailed
@@ -215,12 +215,11 @@ def run_follower(start: RankStart) -> None:
         msg = comm.broadcast_object(None, patient=True)
         if isinstance(msg, StepInputs):
             assert kv_caches is not None
-            # Rank 0 sends these blocks' KV (a disaggregated prefill): this rank's heads of them, each layer.
-            after_layer = None if msg.gather_blocks is None else functools.partial(
-                gather_kv_heads, comm, kv_caches, blocks=msg.gather_blocks, kv_head_ranges=model.kv_head_ranges)
-            model(msg.input_ids, msg.meta, kv_caches, msg.logits_indices, after_layer)
+            model(msg.input_ids, msg.meta, kv_caches, msg.logits_indices)
         elif isinstance(msg, PoolSpec):
-            kv_caches = allocate_kv_pool(config, model.cfg, msg.num_blocks, device)
+            part = msg.parts[shard.rank] if msg.parts is not None else None
+            kv_caches = map_shared(part) if part is not None else \
+                allocate_kv_pool(config, model.cfg, msg.num_blocks, device).local
         elif isinstance(msg, Stop):
             break
     comm.close()

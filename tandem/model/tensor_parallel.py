@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
-
-import torch
 
 from tandem.model.arch import ArchConfig
 from tandem.model.linear import Weight
@@ -180,17 +177,3 @@ def row_parallel(name: str) -> bool:
     """Whether a linear module's output is a partial sum that the ranks all-reduce."""
     return name.endswith("self_attn.o_proj") or name.endswith("mlp.down_proj")
 
-
-
-def gather_kv_heads(comm: Any, kv_caches: torch.Tensor, layer: int, blocks: torch.Tensor,
-                    kv_head_ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """Every rank's KV heads of these blocks of a layer, side by side ([2, U, block_size, heads, row]):
-    each rank contributes its heads (kv_head_ranges[rank]); every KV head appears once (ranks that
-    share a head hold equal copies). Every rank of the group calls it at the same point."""
-    local = kv_caches[layer].index_select(1, blocks)
-    parts = comm.all_gather(local.permute(3, 0, 1, 2, 4).contiguous())  # heads first: shapes differ only there
-    heads: dict[int, torch.Tensor] = {}
-    for (h0, h1), part in zip(kv_head_ranges, parts, strict=True):
-        for h in range(h0, h1):
-            heads.setdefault(h, part[h - h0])
-    return torch.stack([heads[h] for h in sorted(heads)]).permute(1, 2, 3, 0, 4)

@@ -43,6 +43,17 @@ def shm_usable(device: torch.device) -> bool:
         os.environ.get(COMM_ENV, "shm") != "gloo"
 
 
+def process_group(store: dist.Store, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
+    """A process group of its own (not torch.distributed's one default group), so one process can
+    be rank 0 of several groups (a prefill group and a decode group in one test, two engines)."""
+    timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 class GroupComm:
     def __init__(self, rank: int, size: int, device: torch.device, address: GroupAddress,
                  store: dist.TCPStore | None = None) -> None:
@@ -50,12 +61,11 @@ class GroupComm:
         if store is None:
             store = dist.TCPStore("127.0.0.1", address.store_port, size, is_master=False,
                                   timeout=timedelta(seconds=120))
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=STEP_TIMEOUT_S))
+        self._store = store
+        self.pg = process_group(store, rank, size, device)
         self.shm = ShmExchange(address.shm_path, rank, size, address.slot_bytes, create=False) \
             if address.shm_path is not None else None
-        dist.barrier()  # everyone has mapped the file: rank 0 unlinks it (no file outlives the group)
+        self.pg.barrier().wait()  # everyone has mapped the file: rank 0 unlinks it (no file outlives the group)
         if rank == 0 and address.shm_path is not None:
             os.unlink(address.shm_path)
         self.seconds: dict[str, float] = {}  # wall time in each kind of collective, waiting for peers included
@@ -70,7 +80,7 @@ class GroupComm:
 
     @property
     def backend(self) -> str:
-        return "shm" if self.shm is not None else dist.get_backend()
+        return "shm" if self.shm is not None else self.pg.name()
 
     def _fits(self, nbytes: int) -> bool:
         return self.shm is not None and nbytes <= self.shm.slot_bytes
@@ -80,7 +90,7 @@ class GroupComm:
         """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
         nbytes = t.numel() * t.element_size()
         if not self._fits(nbytes):
-            dist.all_reduce(t)
+            self.pg.allreduce([t]).wait()
             return t
         assert self.shm is not None
         flat = t.contiguous().view(-1)
@@ -123,10 +133,11 @@ class GroupComm:
         if self.shm is None or large:
             sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
             recv_sizes = torch.empty_like(sizes)
-            dist.all_to_all_single(recv_sizes, sizes)
+            ones = [1] * self.size
+            self.pg.alltoall_base(recv_sizes, sizes, ones, ones, dist.AllToAllOptions()).wait()
             send = torch.cat(parts)
             recv = send.new_empty((int(recv_sizes.sum()), *rest))
-            dist.all_to_all_single(recv, send, recv_sizes.tolist(), sizes.tolist())
+            self.pg.alltoall_base(recv, send, recv_sizes.tolist(), sizes.tolist(), dist.AllToAllOptions()).wait()
             return list(recv.split(recv_sizes.tolist()))
         header = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64).view(torch.uint8)
         body = torch.cat([p.contiguous().view(-1) for p in parts]).view(torch.uint8)
@@ -143,9 +154,7 @@ class GroupComm:
     def _broadcast_object(self, obj: Any = None, patient: bool = False) -> Any:
         """Rank 0's obj on every rank (pickled). patient: the followers may wait long (for a step)."""
         if self.shm is None:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
+            return self._pg_broadcast_object(obj)
         payload = None
         if self.rank == 0:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -154,15 +163,19 @@ class GroupComm:
             payload = torch.frombuffer(bytearray(b"\x01" if big else b"\x00" + data), dtype=torch.uint8)
         parity = self.shm.exchange(payload, None if patient else STEP_TIMEOUT_S, patient=patient)
         view = self.shm.slot_view(0, parity)
-        if self.rank == 0:
-            if view[0].item() == 1:
-                dist.broadcast_object_list([obj], src=0)
-            return obj
         if view[0].item() == 1:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        return pickle.loads(view[1:].numpy().tobytes())
+            return self._pg_broadcast_object(obj)
+        return obj if self.rank == 0 else pickle.loads(view[1:].numpy().tobytes())
+
+    def _pg_broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's obj over the process group: its pickled length, then its bytes."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.pg.broadcast([n], dist.BroadcastOptions()).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if self.rank == 0 else \
+            torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        self.pg.broadcast([buf], dist.BroadcastOptions()).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.cpu().numpy().tobytes())
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of t (same shape everywhere), as a new tensor or t itself."""
@@ -208,16 +221,21 @@ class GroupComm:
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+        """Every rank's obj, in rank order (pickled: their lengths, then their bytes padded alike)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        self.pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64, device=self.device)]).wait()
+        longest = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        self.pg.allgather([parts], [mine.to(self.device)]).wait()
+        return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)]
 
     def close(self) -> None:
         hooks, self.on_close = self.on_close, []
         for hook in hooks:
             hook()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def start_rendezvous(size: int, slot_bytes: int, device: torch.device) -> tuple[dist.TCPStore, GroupAddress]:

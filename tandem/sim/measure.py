@@ -20,6 +20,7 @@ import zmq
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore, LoggedStep
 from tandem.engine.kv_layout import engine_kv_layout
+from tandem.kv.pool import KVPool
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
 from tandem.sim.drive import run_prompts
 
@@ -87,7 +88,9 @@ def measure_transfer(kind: str, core: EngineCore, num_blocks: tuple[int, ...], r
     shape = (arch.num_layers, 2, pool_blocks, core.config.cache.block_size, arch.num_kv_heads,
              core.runner.kv_caches.shape[-1])
     receiver = make_receiver(kind, "127.0.0.1", 0, secret)
-    receiver.allocate_pool(shape, core.runner.kv_caches.dtype, torch.device("cpu"))
+    dtype = core.runner.kv_caches.dtype
+    receiver.attach(KVPool.in_shared_memory(shape, dtype) if receiver.needs_shared_pool
+                    else KVPool.whole(torch.zeros(shape, dtype=dtype)))
     sender = RoutingSender(secret)
     src = torch.ones(shape, dtype=core.runner.kv_caches.dtype)
     sizes, seconds = [], []

@@ -21,6 +21,7 @@ import zmq
 
 from tandem.disagg import secure, wire
 from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
+from tandem.kv.pool import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +53,17 @@ class ZmqReceiver(KVReceiver):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def allocate_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)
+    def _attach(self, pool: KVPool) -> KVEndpoint:
         # Bound only now: the frame limit follows from the pool, and libzmq reads it at bind time.
         address = f"tcp://{self.host}"
-        secure.server(self._sock, self.secret, address, max_kv_frame(shape, dtype.itemsize))
+        secure.server(self._sock, self.secret, address, max_kv_frame(pool.shape, pool.dtype.itemsize))
         if self.port:
             self._sock.bind(f"{address}:{self.port}")
         else:
             self.port = self._sock.bind_to_random_port(address)
-        self._endpoint = KVEndpoint("zmq", f"tcp://{self.host}:{self.port}", self.host, tuple(shape),
-                                    dtype_name(dtype))
         self._thread = threading.Thread(target=self._serve, name="tandem-kv-receiver", daemon=True)
         self._thread.start()
-        return self.pool
+        return KVEndpoint("zmq", f"tcp://{self.host}:{self.port}", self.host, pool.shape, dtype_name(pool.dtype))
 
     def _serve(self) -> None:
         poller = zmq.Poller()
