@@ -401,14 +401,17 @@ def test_the_store_sends_returning_prompts_straight_to_a_decode_worker(colocated
         wait_blocks_free(s)
 
 
-def test_tp2_prefill_group_to_tp1_decode_equals_colocated(colocated_outputs: dict, passages: list[str]) -> None:
-    """The prefill worker is a worker group of two ranks (2 and 1 of the default model's 3 KV heads): after
-    each layer rank 0 gathers the other rank's heads of the blocks it sends, so the one-process decode
-    worker receives whole blocks and decodes exactly what the colocated server does."""
-    with running_server(*COMMON, *DISAGG, "--prefill-worker-args", "--tensor-parallel-size 2") as s:
+@pytest.mark.parametrize("role,transport", [("prefill", "shm"), ("decode", "zmq")])
+def test_a_tp2_worker_group_in_1p1d_equals_colocated(colocated_outputs: dict, passages: list[str], role: str,
+                                                     transport: str) -> None:
+    """One worker is a group of two ranks (2 and 1 of the default model's 3 KV heads), the other one
+    process: rank 0 of the group reads or writes every rank's heads of each block (kv/pool.py), so
+    the KV is re-split by head on its way and the answers are the colocated server's."""
+    with running_server(*COMMON, *DISAGG, "--kv-transport", transport,
+                        f"--{role}-worker-args", "--tensor-parallel-size 2") as s:
         texts = prompts(passages)
         transfers = metric_or_zero(s, "kv_transfers", outcome="ok")
         assert run_all(s, texts) == colocated_outputs["greedy"]
         assert metric(s, "kv_transfers", outcome="ok") - transfers == len(texts)
         ranks = subprocess.run(["pgrep", "-f", "tandem.engine.worker_group"], capture_output=True, text=True)
-        assert ranks.stdout.split(), "the prefill worker runs no group"
+        assert ranks.stdout.split(), f"the {role} worker runs no group"
