@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from cluster_utils import metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
 from server_utils import Server, running_server
-from test_disaggregation import metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
 
 from tandem import SamplingParams
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit

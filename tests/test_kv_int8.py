@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from cluster_utils import metric
 from server_utils import running_server
-from test_disaggregation import metric
 from test_paged_attention_op import CASE_IDS, CASES, TOL, make_case, naive_reference
 
 from tandem import SamplingParams

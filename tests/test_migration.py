@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
+from cluster_utils import metric, wait_blocks_free
 from server_utils import Server, running_server
-from test_disaggregation import metric, wait_blocks_free
 
 from tandem import SamplingParams
 

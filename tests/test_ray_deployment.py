@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_utils import COMMON, metric, prompts, run_all
 from server_utils import running_server
-from test_disaggregation import COMMON, metric, prompts, run_all
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (scripts/setup.sh installs it)")
