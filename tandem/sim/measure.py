@@ -23,6 +23,7 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.kv.pool import KVPool
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
 from tandem.sim.drive import run_prompts
+from tandem.sim.neighbours import Scenario, measure_neighbours
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,13 @@ class ProfileGrid:
     serve_batches: tuple[int, ...] = (1, 4, 16)  # the serving calibration's decode batches
     serve_prompts: tuple[int, ...] = (32, 256, 768)  # and its prompt lengths
     neighbour_repeats: int = 3  # scenarios per median of the co-location term
+    neighbour_scenario: Scenario = Scenario()
 
     @classmethod
     def quick(cls) -> ProfileGrid:
         return cls((16, 256), (1, 4), (64,), 4, 1, transfer_blocks=(1, 8), serve_batches=(1, 4),
-                   serve_prompts=(32,), neighbour_repeats=1)
+                   serve_prompts=(32,), neighbour_repeats=1,
+                   neighbour_scenario=Scenario(prefill_tokens=128, decode_batch=4, decode_context=64, decode_steps=8))
 
 
 def shape_of(step: LoggedStep) -> StepShape:
@@ -188,10 +191,8 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
         hop = measure_hop()
         neighbours = None
         if neighbour_argv is not None:
-            from tandem.sim.neighbours import measure_neighbours
-
             neighbours = measure_neighbours(core, neighbour_argv, loaded.arch.vocab_size, progress,
-                                            repeats=grid.neighbour_repeats)
+                                            repeats=grid.neighbour_repeats, scenario=grid.neighbour_scenario)
         layout = engine_kv_layout(config, loaded.arch)
         cost = FittedCost(coefficients, list(DEFAULT_KNOTS), float(layout.bytes_per_token(loaded.arch)),
                           loaded.arch.num_layers, core.num_blocks * config.cache.block_size, fits,

@@ -17,13 +17,17 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.engine.args import add_engine_args, engine_kwargs
     from tandem.engine.core import EngineCore
     from tandem.engine.worker_group import load_engine_model
-    from tandem.sim.neighbours import NEIGHBOUR_DECODE_STEPS, run_steps
+    from tandem.sim.neighbours import NEIGHBOUR_DECODE_STEPS, Scenario, run_steps
 
     p = argparse.ArgumentParser(prog="python -m tandem.sim.neighbour")
     add_engine_args(p)
     p.add_argument("--kind", required=True, choices=["prefill", "decode"])
     p.add_argument("--cores", required=True)
+    p.add_argument("--prefill-tokens", type=int, default=Scenario.prefill_tokens)
+    p.add_argument("--decode-batch", type=int, default=Scenario.decode_batch)
+    p.add_argument("--decode-context", type=int, default=Scenario.decode_context)
     args = p.parse_args(argv)
+    scenario = Scenario(args.prefill_tokens, args.decode_batch, args.decode_context)
     os.sched_setaffinity(0, parse_cores(args.cores))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
@@ -34,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = loaded.arch.vocab_size
     # A decode neighbour's batch runs long: its prompts' own prefill is rare next to its decode steps.
     steps = NEIGHBOUR_DECODE_STEPS if args.kind == "decode" else 1
-    run_steps(core, args.kind, rng, vocab, "warmup", decode_steps=4)
+    run_steps(core, args.kind, rng, vocab, "warmup", scenario, decode_steps=4)
     print("ready", flush=True)
     i = 0
     while os.getppid() == parent:
-        run_steps(core, args.kind, rng, vocab, str(i), decode_steps=steps)
+        run_steps(core, args.kind, rng, vocab, str(i), scenario, decode_steps=steps)
         i += 1
     return 0
 

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,10 +23,22 @@ from tandem.engine.core import EngineCore
 from tandem.sim.colocation import KINDS, Neighbours, step_kind
 from tandem.sim.drive import run_prompts
 
-PREFILL_TOKENS = 512  # a neighbour's prompts, and the profiled prefill's
-DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 8, 256, 24
 NEIGHBOUR_DECODE_STEPS = 2000  # a decode neighbour's batch: its prompts' prefill is 1 step in 2,000
 READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The steps timed (and the neighbour's): a prompt alone, or a decode batch's steps."""
+
+    prefill_tokens: int = 512
+    decode_batch: int = 8
+    decode_context: int = 256
+    decode_steps: int = 24
+
+    def argv(self) -> list[str]:
+        return ["--prefill-tokens", str(self.prefill_tokens), "--decode-batch", str(self.decode_batch),
+                "--decode-context", str(self.decode_context)]
 
 
 def other_cores() -> list[int]:
@@ -34,25 +47,27 @@ def other_cores() -> list[int]:
     return [c for c in range(os.cpu_count() or 1) if c not in own]
 
 
-def run_steps(core: EngineCore, kind: str, rng: np.random.Generator, vocab: int, tag: str,
-              decode_steps: int = DECODE_STEPS) -> list[float]:
+def run_steps(core: EngineCore, kind: str, rng: np.random.Generator, vocab: int, tag: str, scenario: Scenario,
+              decode_steps: int | None = None) -> list[float]:
     """Seconds of each step of one scenario of this kind: a prompt alone, or a decode batch's steps
     (its prompts' steps left out)."""
-    n, length = (1, PREFILL_TOKENS) if kind == "prefill" else (DECODE_BATCH, DECODE_CONTEXT)
+    n, length = (1, scenario.prefill_tokens) if kind == "prefill" else (scenario.decode_batch, scenario.decode_context)
     prompts = [rng.integers(1, vocab, length).tolist() for _ in range(n)]
-    log = run_prompts(core, prompts, 1 if kind == "prefill" else decode_steps, f"neighbours-{tag}")
+    steps = 1 if kind == "prefill" else decode_steps or scenario.decode_steps
+    log = run_prompts(core, prompts, steps, f"neighbours-{tag}")
     return [s.seconds for s in log
             if step_kind(sum(x[1] for x in s.scheduled), sum(x[1] == 1 for x in s.scheduled)) == kind]
 
 
-def median_step(core: EngineCore, kind: str, rng: np.random.Generator, vocab: int, tag: str, repeats: int) -> float:
-    seconds = [t for r in range(repeats) for t in run_steps(core, kind, rng, vocab, f"{tag}-{r}")]
+def median_step(core: EngineCore, kind: str, rng: np.random.Generator, vocab: int, tag: str, repeats: int,
+                scenario: Scenario) -> float:
+    seconds = [t for r in range(repeats) for t in run_steps(core, kind, rng, vocab, f"{tag}-{r}", scenario)]
     return statistics.median(seconds)
 
 
-def start_neighbour(kind: str, cores: list[int], engine_argv: list[str]) -> subprocess.Popen[str]:
+def start_neighbour(kind: str, cores: list[int], engine_argv: list[str], scenario: Scenario) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-m", "tandem.sim.neighbour", "--kind", kind, "--cores",
-                             ",".join(map(str, cores)), *engine_argv],
+                             ",".join(map(str, cores)), *scenario.argv(), *engine_argv],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until it is warm, or dies
@@ -73,7 +88,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 
 def measure_neighbours(core: EngineCore, engine_argv: list[str], vocab: int, progress: Callable[[str], None],
-                       repeats: int = 3, seed: int = 1) -> Neighbours | None:
+                       repeats: int = 3, seed: int = 1, scenario: Scenario = Scenario()) -> Neighbours | None:
     """slowdown[own][theirs] = (median step beside a `theirs` neighbour) / (median alone) - 1, alone
     timed before and after (the mean of the two: a shared machine drifts). None when this process
     holds every core (no neighbour can run beside it without taking its cores)."""
@@ -81,19 +96,21 @@ def measure_neighbours(core: EngineCore, engine_argv: list[str], vocab: int, pro
     if not cores:
         return None
     rng = np.random.default_rng(seed)
-    before = {own: median_step(core, own, rng, vocab, "alone", repeats) for own in KINDS}
+    before = {own: median_step(core, own, rng, vocab, "alone", repeats, scenario) for own in KINDS}
     beside: dict[str, dict[str, float]] = {}
     for theirs in KINDS:
         progress(f"co-location: a {theirs} neighbour on cores {','.join(map(str, cores))}")
-        proc = start_neighbour(theirs, cores, engine_argv)
+        proc = start_neighbour(theirs, cores, engine_argv, scenario)
         try:
             for own in KINDS:
-                beside.setdefault(own, {})[theirs] = median_step(core, own, rng, vocab, f"beside-{theirs}", repeats)
+                beside.setdefault(own, {})[theirs] = median_step(core, own, rng, vocab, f"beside-{theirs}", repeats,
+                                                                 scenario)
         finally:
             stop(proc)
-    after = {own: median_step(core, own, rng, vocab, "alone-after", repeats) for own in KINDS}
+    after = {own: median_step(core, own, rng, vocab, "alone-after", repeats, scenario) for own in KINDS}
     alone = {own: (before[own] + after[own]) / 2 for own in KINDS}
     slowdown = {own: {t: max(beside[own][t] / alone[own] - 1.0, 0.0) for t in KINDS} for own in KINDS}
     return Neighbours(slowdown, {"alone_s": alone, "alone_before_s": before, "alone_after_s": after,
-                                 "beside_s": beside, "neighbour_cores": cores, "prefill_tokens": PREFILL_TOKENS,
-                                 "decode_batch": DECODE_BATCH, "decode_context": DECODE_CONTEXT})
+                                 "beside_s": beside, "neighbour_cores": cores,
+                                 "prefill_tokens": scenario.prefill_tokens, "decode_batch": scenario.decode_batch,
+                                 "decode_context": scenario.decode_context})
