@@ -36,9 +36,12 @@ class RotaryEmbedding(nn.Module):
                  linear_factor: float = 1.0) -> None:
         """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear")."""
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # On the CPU even while a model is built on the meta device: a meta-device division imports
+        # torch._dynamo (2-3 s of every start-up); the table is a few MiB, moved by init_buffers.
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         inv_freq = inv_freq / linear_factor
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
