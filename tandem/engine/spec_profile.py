@@ -5,7 +5,7 @@ and the prompt and decode curves admission control predicts deadlines from (engi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +17,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.speculative.policy import StepCost
 
 PROFILE_CONTEXT = 256  # tokens of context each profiled decode row reads (profile_speed)
+# profile_speed stops climbing a ladder after a pass this long: the curve goes on along its last
+# segment (prompt passes are near linear past a few hundred tokens), and a slow machine starts in
+# seconds rather than spending ~15 of them timing 1,024-token passes twice.
+PROFILE_PASS_LIMIT_S = 1.0
 MAX_PROFILED_TOKENS = 256  # past this a step's cost is linear in its tokens: extrapolated
 
 
@@ -60,28 +64,44 @@ def profile_speed(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs
     reads them."""
     budget = min(max_num_batched_tokens, max_model_len)
     profile_step_cost(runner, [1, 16])  # warm-up: first passes create kernels and touch pages
-    prompt = profile_step_cost(runner, _ladder(budget, (1, 16, 64, 256)), repeats=2)
+    tokens, prompt_s = _climb(_ladder(budget, (1, 16, 64, 256)),
+                              lambda n: float(profile_step_cost(runner, [n], repeats=1).seconds[0]))
     context = min(PROFILE_CONTEXT, max_model_len - 1)
     per_row = -(-(context + 1) // runner.block_size)
     top = max(1, min(max_num_seqs, budget, num_blocks // per_row))
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    rows, seconds = _ladder(top, (1, 8, 32, 128)), []
-    for b in rows:
+
+    def decode_pass(b: int) -> float:
         items = []
         for i in range(b):
             r = Request(f"speed-profile-{i}", [0] * (context + 1), params)
             r.num_computed_tokens = context
             items.append(ScheduledRequest(r, 1, list(range(i * per_row, (i + 1) * per_row))))
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            runner.execute(SchedulerOutput(items))
-            best = min(best, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        runner.execute(SchedulerOutput(items))
+        seconds = time.perf_counter() - t0
         runner.forget([f"speed-profile-{i}" for i in range(b)])
-        seconds.append(best)
+        return seconds
+
+    rows, decode_s = _climb(_ladder(top, (1, 8, 32, 128)), decode_pass)
     # Noise (another process on the cores) only ever adds time: a bigger pass never costs less
     # than a smaller one measured after it, so each point is at most the next one.
-    return StepSpeed(tuple(int(n) for n in prompt.tokens), _monotone(prompt.seconds), tuple(rows), _monotone(seconds))
+    return StepSpeed(tokens, _monotone(prompt_s), rows, _monotone(decode_s))
+
+
+def _climb(ladder: list[int], time_pass: Callable[[int], float]) -> tuple[tuple[int, ...], list[float]]:
+    """Each point's pass, best of two (one where the first took PROFILE_PASS_LIMIT_S), up the ladder
+    until a pass takes that long."""
+    points, seconds = [], []
+    for n in ladder:
+        t = time_pass(n)
+        if t < PROFILE_PASS_LIMIT_S:
+            t = min(t, time_pass(n))
+        points.append(int(n))
+        seconds.append(t)
+        if t >= PROFILE_PASS_LIMIT_S and len(points) >= 2:
+            break
+    return tuple(points), seconds
 
 
 def _monotone(seconds: Sequence[float]) -> tuple[float, ...]:
