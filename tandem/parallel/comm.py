@@ -9,6 +9,7 @@ every rank (sums in rank order), so the ranks never drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import platform
@@ -236,6 +237,8 @@ class GroupComm:
         hooks, self.on_close = self.on_close, []
         for hook in hooks:
             hook()
+        with contextlib.suppress(RuntimeError):  # its connections go now, not when the object does
+            self.pg.shutdown()
 
 
 def start_rendezvous(size: int, slot_bytes: int, device: torch.device) -> tuple[dist.TCPStore, GroupAddress]:
