@@ -4,6 +4,7 @@ Hugging Face directory's tokenizer files. The model loader, the API process and 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,17 +15,34 @@ from tandem.model_path import resolve_model_path
 log = logging.getLogger(__name__)
 
 
+def _from_directory(path: Path) -> Any:
+    """AutoTokenizer's tokenizer of a directory, straight from the generic fast class where the config
+    names it (a GGUF's converted tokenizer does): AutoTokenizer's resolution imports every model
+    family's module list first, about 1.3 s of each process's start."""
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_gguf_tokenizer(path: Path) -> Any | None:
     """Build a fast tokenizer from the GGUF metadata once, then load it from the cache; None for a
     file without tokenizer metadata (served on token ids, as a directory without tokenizer files)."""
-    import gguf
-    from transformers import AutoTokenizer
-
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
+        return _from_directory(cached)
+    import gguf
+    from transformers import AutoTokenizer
+
     if "tokenizer.ggml.tokens" not in gguf.GGUFReader(path).fields:
         return None
     log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
@@ -36,9 +54,7 @@ def load_gguf_tokenizer(path: Path) -> Any | None:
 def load_hf_tokenizer(path: Path) -> Any | None:
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return _from_directory(path)
 
 
 def load_tokenizer(model: str | None) -> Any | None:
