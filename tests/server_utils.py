@@ -23,11 +23,6 @@ class Server:
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if "--admission" not in args:
-            # The deadline rule refuses what this machine's speed predicts late, and a test machine's speed
-            # is whatever its neighbours leave: tests of other things must not depend on it (test_overload
-            # and test_deadlines test the rule).
-            args = [*args, "--admission", "off"]
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

@@ -1,4 +1,4 @@
-"""Admission by predicted deadline misses (serve/deadlines.py), on a fixed step-time profile: the
+"""Admission by predicted deadline misses (policy/deadlines.py, `--admission slo`), on a fixed step-time profile: the
 times are the profile's, so every prediction below can be worked out by hand."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from tandem.engine.spec_profile import _monotone
 from tandem.engine.speed import SpeedTracker, StepSpeed
-from tandem.serve.admission import AdmissionSettings, Deadlines, Load, check_admission
-from tandem.serve.deadlines import EngineShape, Flights, predict
+from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission
+from tandem.policy.deadlines import EngineShape, Flights, predict
 from tandem.slo import Slo
 
 # 10 ms a pass plus 0.1 ms a prompt token; a decode row 0.5 ms beyond the pass.
@@ -91,7 +91,7 @@ def load_of(f: Flights) -> Load:
 
 def admit(f: Flights, prompt: int, max_tokens: int = 32, engine: EngineShape = ENGINE,
           settings: AdmissionSettings | None = None) -> str | None:
-    rules = settings or AdmissionSettings(ttft_budget_s=None)
+    rules = settings or AdmissionSettings("slo")
     r = check_admission(rules, engine.seats, load_of(f), 1, 1, prompt, 5000.0, None,
                         Deadlines(engine, SLO, max_tokens))
     return None if r is None else r.message
@@ -105,7 +105,7 @@ def test_light_load_is_admitted_and_overload_is_refused_by_deadline() -> None:
     assert message is not None and "TTFT deadline" in message
     assert admit(flights(*decoding(60)), 100, engine=EngineShape(SPEED, 2.0, 256, 64)) is not None, \
         "twice as slow as profiled: a decode step of 61 is 91 ms, past the 50 ms TPOT SLO"
-    off = AdmissionSettings(ttft_budget_s=None, predict=False)
+    off = AdmissionSettings("off")
     assert admit(queue, 100, settings=off) is None, "--admission off: the limits only"
 
 
@@ -139,7 +139,7 @@ def test_an_slo_the_idle_engine_misses_is_stretched_to_twice_idle() -> None:
 
 
 def test_first_tokens_later_than_predicted_make_the_next_predictions_later() -> None:
-    from tandem.serve.deadlines import Calibration, predict_ttft
+    from tandem.policy.deadlines import Calibration, predict_ttft
 
     calibration = Calibration()
     queue = flights(*[(1, 1000, 32, 0, 0.0)] * 3)
@@ -150,7 +150,7 @@ def test_first_tokens_later_than_predicted_make_the_next_predictions_later() -> 
     assert calibration.ttft == pytest.approx(3.0, rel=0.01)
     calibration.observe(0.005, 10.0)
     assert calibration.ttft == pytest.approx(3.0, rel=0.01), "an idle server's first token says nothing"
-    rules = AdmissionSettings(ttft_budget_s=None)
+    rules = AdmissionSettings("slo")
     late = check_admission(rules, 64, load_of(queue), 1, 1, 100, 5000.0, None, Deadlines(ENGINE, SLO, 32, 1.0))
     assert late is None and predicted < SLO.ttft_s < 3 * predicted
     biased = check_admission(rules, 64, load_of(queue), 1, 1, 100, 5000.0, None,

@@ -10,8 +10,8 @@ from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import SchedulerOutput
+from tandem.policy.admission import AdmissionSettings, Load, PromptRate, check_admission
 from tandem.sampling_params import SamplingParams
-from tandem.serve.admission import AdmissionSettings, Load, PromptRate, check_admission
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -113,7 +113,7 @@ def load(**kw: int) -> Load:
 
 
 def test_admission_rules() -> None:
-    settings = AdmissionSettings(max_waiting_requests=10, ttft_budget_s=1.0, max_tenant_waiting_requests=3,
+    settings = AdmissionSettings("slo", max_waiting_requests=10, ttft_budget_s=1.0, max_tenant_waiting_requests=3,
                                  max_tenant_queued_tokens=2000)
     ok = check_admission(settings, 8, load(in_flight=4, waiting=1, queued_tokens=100), 1, 1, 100, 1000.0, None)
     assert ok is None
@@ -122,16 +122,16 @@ def test_admission_rules() -> None:
     assert check_admission(settings, 8, load(in_flight=0), 1, 16, 10, 1000.0, None) is None, \
         "an idle engine takes even a call larger than its seats"
     queued = load(in_flight=2, waiting=2, queued_tokens=3000, tenant_queued_tokens=3000)
-    slow = check_admission(AdmissionSettings(ttft_budget_s=1.0), 64, queued, 1, 1, 100, 1000.0, None)
+    slow = check_admission(AdmissionSettings("slo", ttft_budget_s=1.0), 64, queued, 1, 1, 100, 1000.0, None)
     assert slow is not None and "budget" in slow.message and slow.retry_after_s == 3
     queued = load(in_flight=2, waiting=1, queued_tokens=900, tenant_queued_tokens=900)
-    assert check_admission(AdmissionSettings(ttft_budget_s=1.0), 64, queued, 1, 1, 5000, 1000.0, None) is None, \
+    assert check_admission(AdmissionSettings("slo", ttft_budget_s=1.0), 64, queued, 1, 1, 5000, 1000.0, None) is None, \
         "its own prompt is its service time, not a wait"
     flood = load(in_flight=6, waiting=5, queued_tokens=5000, tenant_queued_tokens=4900, other_tenants_waiting=1)
     assert check_admission(settings, 64, flood, 1, 1, 50, 1000.0, None) is not None, "the flooder waits behind itself"
     chat = load(in_flight=6, waiting=5, queued_tokens=5000, tenant_queued_tokens=0, other_tenants_waiting=1)
     assert check_admission(settings, 64, chat, 1, 1, 50, 1000.0, None) is None, "another tenant gets its share"
-    budget = AdmissionSettings(seat_overcommit=2.0, ttft_budget_s=1.0)
+    budget = AdmissionSettings("slo", seat_overcommit=2.0, ttft_budget_s=1.0)
     soon = load(in_flight=8, seat_free_s=[0.3, 0.5, 4.0] + [9.0] * 5)
     assert check_admission(budget, 8, soon, 1, 1, 10, 1000.0, None) is None, "a seat frees up in time"
     assert check_admission(budget, 8, load(in_flight=9, seat_free_s=soon.seat_free_s), 1, 1, 10, 1000.0, None) is None
@@ -139,7 +139,7 @@ def test_admission_rules() -> None:
     assert late is not None and "frees up" in late.message and late.retry_after_s == 4
     tenant = check_admission(settings, 64, load(in_flight=3, waiting=3, tenant_waiting=3), 1, 1, 10, 1e6, None)
     assert tenant is not None and "your requests" in tenant.message
-    deadline = check_admission(AdmissionSettings(ttft_budget_s=None), 64,
+    deadline = check_admission(AdmissionSettings("slo"), 64,
                                load(in_flight=1, waiting=1, queued_tokens=900, tenant_queued_tokens=900), 1, 1, 100,
                                1000.0, 0.5)
     assert deadline is not None and "timeout" in deadline.message

@@ -26,8 +26,8 @@ async def burst(url: str, n: int) -> list[httpx.Response]:
 @pytest.mark.slow
 def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
     with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
-                        "--seat-overcommit", "1.5", "--admission-ttft-budget", "2", "--api-key", KEYS[0],
-                        "--api-key", KEYS[1]) as s:
+                        "--admission", "slo", "--seat-overcommit", "1.5", "--admission-ttft-budget", "2",
+                        "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
         responses = asyncio.run(burst(s.url, 60))
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 429}, codes
@@ -48,12 +48,12 @@ def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
 
 
 @pytest.mark.slow
-def test_the_default_deadline_rule_refuses_a_burst_it_cannot_serve_in_time() -> None:
-    """Defaults but tight SLOs: the seat and queue limits never bind (128 seats, no TTFT budget), so
+def test_the_slo_deadline_rule_refuses_a_burst_it_cannot_serve_in_time() -> None:
+    """`--admission slo` with tight SLOs: the seat and queue limits never bind (128 seats, no TTFT budget), so
     every refusal is the deadline prediction's, and everything admitted finishes well inside the time
     a request of the burst would take unguarded."""
     with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--slo-ttft-ms", "400",
-                        "--slo-tpot-ms", "100", "--admission", "on", "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
+                        "--slo-tpot-ms", "100", "--admission", "slo", "--api-key", KEYS[0], "--api-key", KEYS[1]) as s:
         t0 = time.monotonic()
         responses = asyncio.run(burst(s.url, 80))
         took = time.monotonic() - t0

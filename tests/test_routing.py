@@ -4,11 +4,11 @@ spreads one hot prefix, the router's own predictions expire, a forgotten worker 
 from __future__ import annotations
 
 from tandem.disagg.messages import WorkerInfo
-from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.registry import WorkerHandle
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.engine.core_report import CoreInfo
 from tandem.kv.block_pool import BlockRemoved, BlockStored
+from tandem.policy.prefix_index import PrefixIndex
 
 
 class Clock:

@@ -9,7 +9,7 @@ import sys
 from tandem.cli.cluster import disaggregated_engine
 from tandem.cli.serve_args import add_serve_parser
 from tandem.engine.args import engine_kwargs
-from tandem.serve.admission import AdmissionSettings
+from tandem.policy.admission import AdmissionSettings
 
 
 def parse_weights(items: list[str]) -> dict[str, float]:
@@ -56,9 +56,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # One host tier per deployment, shared by its engine processes and removed when it stops.
         args.kv_offload_path = owned_shm = default_shm_path(f"serve-{os.getpid()}")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    admission = AdmissionSettings(args.max_waiting_requests, args.seat_overcommit, args.admission_ttft_budget or None,
-                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens,
-                                  predict=args.admission == "on")
+    admission = AdmissionSettings(args.admission, args.max_waiting_requests, args.max_queue_delay,
+                                  args.seat_overcommit, args.admission_ttft_budget or None,
+                                  args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
     settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint,
                               max_request_body_bytes=args.max_request_body_bytes,
@@ -71,12 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                               tool_call_parser=args.tool_call_parser,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
-    if admission.predict:
-        startup.info("admission: on (a request is refused, 429, unless predicted to meet TTFT %.0f ms and TPOT "
-                     "%.0f ms without making another miss; --slo-ttft-ms, --slo-tpot-ms, --admission off)",
-                     args.slo_ttft_ms, args.slo_tpot_ms)
-    else:
-        startup.info("admission: off (only the waiting, seat and tenant limits)")
+    startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)))
     tokenizer = load_tokenizer(args.model)
     engine = None
     if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:

@@ -6,7 +6,7 @@ import argparse
 
 from tandem.cli.common import add_log_args
 from tandem.engine.args import add_engine_args
-from tandem.serve.admission import AdmissionSettings
+from tandem.policy.admission import ADMISSION_MODES, AdmissionSettings
 from tandem.serve.tool_calls.formats import FORMATS
 from tandem.slo import DEFAULT_SLO
 
@@ -20,17 +20,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--api-key", action="append", help="required bearer token on /v1/* (repeatable; "
                      "or TANDEM_API_KEY); each key is its own prefix-cache tenant")
     adm = srv.add_argument_group("admission and fairness (429 with Retry-After for what cannot be served in time)")
-    adm.add_argument("--admission", default="on", choices=["on", "off"],
-                     help="on: admit a request only if it is predicted to meet --slo-ttft-ms and --slo-tpot-ms "
-                     "without making a request in flight miss its TPOT SLO (from the engine's step times, timed "
-                     "at start-up and followed as it runs); off: only the limits below")
-    adm.add_argument("--max-waiting-requests", type=int, default=512,
+    adm.add_argument("--admission", default="queue", choices=list(ADMISSION_MODES),
+                     help="queue: requests wait for the engine, and one is refused only when it cannot start within "
+                     "its own timeout or --max-queue-delay, or the waiting caps are full; slo: admit a request only if "
+                     "it is predicted to meet --slo-ttft-ms and --slo-tpot-ms without making a request in flight miss "
+                     "its TPOT SLO (from the engine's step times, timed at start-up and followed as it runs); off: "
+                     "only the waiting caps")
+    adm.add_argument("--max-queue-delay", type=float, default=AdmissionSettings.max_queue_delay_s, metavar="SECONDS",
+                     help="queue: refuse a request whose first token is predicted later than this")
+    adm.add_argument("--max-waiting-requests", type=int, default=AdmissionSettings.max_waiting_requests,
                      help="requests queued without a first token before new ones get 429")
     adm.add_argument("--seat-overcommit", type=float, default=AdmissionSettings.seat_overcommit,
-                     help="requests in flight per engine sequence slot (max-num-seqs); above 1 some wait for one, "
-                     "1 keeps TPOT under overload")
+                     help="slo: requests in flight per engine sequence slot (max-num-seqs); above 1 some wait for "
+                     "one, 1 keeps TPOT under overload")
     adm.add_argument("--admission-ttft-budget", type=float, default=0.0, metavar="SECONDS",
-                     help="refuse a request whose queued prompt work ahead would delay its first token longer "
+                     help="slo: refuse a request whose queued prompt work ahead would delay its first token longer "
                      "(at the measured prompt rate): the TTFT SLO to keep under overload; 0: no limit")
     adm.add_argument("--max-tenant-waiting-requests", type=int, default=None,
                      help="requests one tenant may have waiting for a first token")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from tandem.disagg.latency import Speed, WorkerRates, fleet_speed
 from tandem.disagg.messages import WorkerInfo, WorkerStats
-from tandem.disagg.prefix_index import PrefixIndex
 from tandem.engine.core_report import CoreStats, sum_stats
+from tandem.policy.prefix_index import PrefixIndex
 
 # Roles whose engine can prefill for another worker, and those that hold a pool KV lands in.
 PREFILL_CAPABLE = ("prefill", "colocated")

@@ -151,7 +151,8 @@ class DisaggEngine(EngineClient):
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def attach_metrics(self, metrics: MetricsSink) -> None:
+    def attach_metrics(self, metrics: MetricsSink) -> None:  # type: ignore[override]
+        super().attach_metrics(metrics)  # type: ignore[arg-type]
         exporter = DisaggMetrics(metrics.registry, metrics.model_name)
         metrics.collectors.append(lambda: exporter.collect(self._snapshot()))
 
@@ -190,6 +191,10 @@ class DisaggEngine(EngineClient):
         planner = self.planning.view() if self.planning is not None else None
         return {"mode": "disaggregated", "router": router, "workers": workers, "transfers": transfers,
                 "planner": planner}
+
+    def cached_blocks(self, keys: list[int]) -> int:
+        """The most of the prompt's blocks any live worker holds (its KV events and recent routes)."""
+        return max((self.registry.index.overlap(w.worker_id, keys) for w in self.registry.live()), default=0)
 
     def capacity(self) -> int:
         """Sequences the deployment runs at once: its decode workers' (every live worker's without)."""

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.disagg.paths import PATH_POLICIES, Slo
-from tandem.disagg.prefix_index import PrefixIndex
 from tandem.disagg.registry import WorkerHandle
+from tandem.policy.prefix_index import PrefixIndex
 
 POLICIES = ("kv", "least-loaded", "round-robin")
 

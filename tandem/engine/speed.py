@@ -1,6 +1,6 @@
 """How long this engine's steps take: measured at start-up, kept true as it runs.
 
-Admission control predicts deadlines from it (serve/deadlines.py): when a new request's first token
+Admission control predicts deadlines from it (policy/deadlines.py): when a new request's first token
 would come, and what its prompt would add to the time between tokens of the requests decoding. A
 step is a batch of decode rows (each reading its context) and prompt tokens; its time is the decode
 rows' time plus the prompt tokens' time beyond the fixed cost of any forward pass (weights read once,

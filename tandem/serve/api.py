@@ -40,7 +40,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
     (the disaggregated router) to serve the same API in front of it."""
     if engine is None:
         engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
-                             profile_speed=settings.admission.predict)
+                             profile_speed=settings.admission.predicts)
     salts = key_salts(settings.api_keys)
     fields = UnknownFields(settings.reject_unknown_fields)
     text = TextSide.build(tokenizer, settings)

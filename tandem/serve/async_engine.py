@@ -38,15 +38,20 @@ from tandem.engine.messages import (
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
 from tandem.engine.worker_view import host_name, process_cores, worker_entry
+from tandem.kv.hashing import block_keys
 from tandem.outputs import RequestOutput
+from tandem.policy.admission import Load, PromptRate, predict_wait
+from tandem.policy.deadlines import Calibration, EngineShape, Flights
+from tandem.policy.prefix_index import PrefixIndex
 from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
-from tandem.serve.admission import Load, PromptRate
 from tandem.serve.core_proc import run_engine_core
-from tandem.serve.deadlines import Calibration, EngineShape, Flights, predict_ttft
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+LOCAL = "local"  # the one engine's name in the prefix index
+PREFIX_TTL_S = 300.0  # how long a prompt block sent counts as cached (evictions make this optimistic)
 
 
 class EngineDeadError(RuntimeError):
@@ -91,7 +96,11 @@ class EngineClient:
         self.prompt_rate = PromptRate()
         self.token_gap_s = 0.05  # smoothed time between a stream's outputs: how fast seats free up
         self.step_budget = 0  # max_num_batched_tokens, once started
-        self.calibration = Calibration()  # first tokens against their predictions (the deadline rule's bias)
+        self.calibration = Calibration()  # first tokens against their predictions (admission's bias)
+        # The prompt blocks sent to the engine lately, to predict prefix-cache hits before admitting
+        # (the router's approximate mode: a block counts as cached for a while after it was sent).
+        self.sent_blocks = PrefixIndex(predict_ttl_s=PREFIX_TTL_S)
+        self.metrics: ServerMetrics | None = None
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -120,8 +129,9 @@ class EngineClient:
         a worker of this deployment)."""
         raise LookupError("this deployment is one engine: there is no worker to move requests between")
 
-    def attach_metrics(self, metrics: ServerMetrics) -> None:  # noqa: B027 (engines with more to say override)
-        """Register engine-specific series next to the server's."""
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        """Register engine-specific series next to the server's (engines with more to say extend it)."""
+        self.metrics = metrics
 
     def _make_inputs(self, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
         assert self.info is not None
@@ -147,15 +157,29 @@ class EngineClient:
         factor = self.stats.speed_factor if self.stats is not None else 1.0
         return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs)
 
+    def _block_keys(self, prompt_ids: list[int], salt: str | None) -> list[int]:
+        info = self.info
+        if info is None:
+            return []
+        return block_keys(prompt_ids, info.block_size, info.hash_algo, info.block_key_extra, salt)
+
+    def cached_blocks(self, keys: list[int]) -> int:
+        """Of a prompt's full blocks, how many from the first the engine likely caches (a cluster: the
+        best worker's, from its KV events)."""
+        return self.sent_blocks.overlap(LOCAL, keys)
+
+    def uncached_tokens(self, prompt_ids: list[int], salt: str | None) -> int:
+        """The prompt's tokens the engine would compute: its blocks likely in the prefix cache are not
+        work (the last token is always computed)."""
+        keys = self._block_keys(prompt_ids, salt)
+        cached = self.cached_blocks(keys) * self.info.block_size if keys and self.info is not None else 0
+        return max(len(prompt_ids) - cached, 1)
+
     def _predicted_ttft(self, tenant: str | None, prompt_tokens: int, num_seqs: int) -> float:
-        """What the step profile predicts for a request enqueued now, so that its first token can
-        correct the next predictions (0 without a profile)."""
-        shape = self.shape()
-        if shape is None:
-            return 0.0
-        load = self.load(tenant)
-        assert load.flights is not None
-        return predict_ttft(shape, load.flights, num_seqs, prompt_tokens, load.ahead_tokens)
+        """What admission predicts for a request enqueued now, before calibration, so that its first
+        token can correct the next predictions."""
+        return predict_wait(self.capacity(), self.load(tenant), num_seqs, prompt_tokens, self.prompt_rate.rate,
+                            self.shape()).ttft_s
 
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
@@ -202,10 +226,12 @@ class EngineClient:
         for r in requests:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
-        stream = _Stream(tenant=tenant, prompt_tokens=len(prompt_ids), num_seqs=len(requests),
+        keys = self._block_keys(prompt_ids, cache_salt)
+        work = self.uncached_tokens(prompt_ids, cache_salt)
+        self.sent_blocks.predict(LOCAL, keys)
+        stream = _Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
                          tokens_left=min(params.max_tokens or limit, limit), requests=requests,
-                         created=time.monotonic(), predicted_ttft_s=self._predicted_ttft(tenant, len(prompt_ids),
-                                                                                          len(requests)))
+                         created=time.monotonic(), predicted_ttft_s=self._predicted_ttft(tenant, work, len(requests)))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
@@ -266,6 +292,8 @@ class EngineClient:
                     stream.first_at = now
                     if stream.predicted_ttft_s:
                         self.calibration.observe(stream.predicted_ttft_s, now - stream.created)
+                        if self.metrics is not None and stream.predicted_ttft_s > 0.01:
+                            self.metrics.observe_ttft_prediction(stream.predicted_ttft_s, now - stream.created)
                 stream.first_output = True
                 stream.queue.put_nowait(out)
                 if out.finished and not stream.consuming:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from tandem.policy.admission import AdmissionSettings, Deadlines, check_admission
 from tandem.sampling_params import SamplingParams
-from tandem.serve.admission import AdmissionSettings, Deadlines, check_admission
 from tandem.serve.app_state import Started
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.errors import APIError
@@ -32,6 +32,7 @@ class Call:
     priority: int
     timeout: float | None
     salt: str | None
+    max_tokens: int | None = None  # as the request named it (None: up to the context's end)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class Callers:
         timeout = self.request_timeout
         if body.timeout is not None:
             timeout = body.timeout if timeout is None else min(timeout, body.timeout)
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         return Call(tenant, self.weights.get(tenant, 1.0) if tenant is not None else 1.0, body.priority, timeout,
-                    salt_for(request, body.cache_salt))
+                    salt_for(request, body.cache_salt), max_tokens)
 
 
 def salt_for(request: Request, cache_salt: str | None) -> str | None:
@@ -72,17 +74,22 @@ class Admission:
 
     engine: EngineClient
     rules: AdmissionSettings
-    slo: Slo  # the deadlines admission predicts against (rules.predict)
+    slo: Slo  # the deadlines the slo mode predicts against
     started: Started  # the metrics count the refusals
 
-    def admit(self, call: Call, num_prompts: int, params: SamplingParams, prompt_tokens: int = 0) -> None:
+    def admit(self, call: Call, num_prompts: int, params: SamplingParams,
+              prompts: list[list[int]] | None = None) -> None:
+        """prompts: the call's token ids once tokenized (None: the check before tokenizing); their
+        blocks the prefix cache likely holds are not counted as work."""
         engine = self.engine
         if not engine.healthy:
             raise APIError(503, engine.dead or "engine is not running", "ServiceUnavailableError")
-        shape = engine.shape() if self.rules.predict else None
         limit = engine.info.max_model_len if engine.info is not None else 1 << 20
-        deadlines = None if shape is None else Deadlines(shape, self.slo, params.max_tokens or limit,
-                                                        engine.calibration.ttft)
+        deadlines = None
+        if self.rules.predicts:
+            deadlines = Deadlines(engine.shape(), self.slo, call.max_tokens or params.max_tokens or limit,
+                                  engine.calibration.ttft, max_tokens_given=call.max_tokens is not None)
+        prompt_tokens = sum(engine.uncached_tokens(ids, call.salt) for ids in prompts or [])
         rejection = check_admission(self.rules, engine.capacity(), engine.load(call.tenant), num_prompts,
                                     num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout,
                                     deadlines)

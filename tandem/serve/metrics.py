@@ -16,6 +16,7 @@ disable_created_metrics()  # as vLLM does: the *_created series only add noise
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)
+PREDICTION_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
 @dataclass
@@ -62,6 +63,10 @@ class ServerMetrics:
         self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.ttft_prediction = Histogram(
+            "tandem:admission_ttft_prediction_ratio", "Admission's predictor: an admitted request's first token as "
+            "it came over its prediction (1 = exact; the calibration corrects the next predictions by it).",
+            labels, buckets=PREDICTION_RATIO_BUCKETS, registry=r)
         self.weight_bytes = Gauge("tandem:model_weight_bytes", "Bytes of the weights as one engine holds them, "
                                   "by linear method (gguf-Q4_1: 4-bit blocks as stored).", ["model_name", "formats"],
                                   registry=r)
@@ -121,6 +126,9 @@ class ServerMetrics:
             self.expert_imbalance.labels(m, str(layer)).set(imbalance)
         self.store.observe(s.kv_store)
         self._last = s
+
+    def observe_ttft_prediction(self, predicted_s: float, actual_s: float) -> None:
+        self.ttft_prediction.labels(self.model_name).observe(actual_s / predicted_s)
 
     def observe_chunk(self, timer: RequestTimer, num_new_tokens: int) -> None:
         now = time.monotonic()

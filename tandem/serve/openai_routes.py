@@ -70,7 +70,7 @@ def openai_router(s: OpenAIState) -> APIRouter:
         prompts = [await tokenize(text, p) for p in body.prompts()]
         for ids in prompts:
             validate(engine, ids, params, "prompt")
-        admit(call, len(prompts), params, sum(len(p) for p in prompts))
+        admit(call, len(prompts), params, prompts)
         fmt = Formatter(text.tokenizer, live.model, f"cmpl-{uuid.uuid4().hex}", chat=False)
         worker = text.worker
         echo = [t if t is not None else (await worker.decode(ids) if worker else "")
@@ -111,7 +111,7 @@ def openai_router(s: OpenAIState) -> APIRouter:
             assert engine.info is not None
             params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
         validate(engine, ids, params, "messages")
-        admit(call, 1, params, len(ids))
+        admit(call, 1, params, [ids])
         fmt = Formatter(text.tokenizer, live.model, f"chatcmpl-{uuid.uuid4().hex}", chat=True,
                         tools=text.tool_format if tools is not None and tools.parse else None)
         streams = open_streams(engine, live.metrics, [ids], params, [None], call)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.serve.admission import AdmissionSettings
+from tandem.policy.admission import AdmissionSettings
 from tandem.slo import Slo
 
 

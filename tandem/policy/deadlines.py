@@ -24,6 +24,7 @@ server still serves concurrently instead of one request at a time (`deadlines`).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,37 @@ def deadlines(engine: EngineShape, slo: Slo, prompt_tokens: int) -> tuple[float,
             max(slo.tpot_s, STRETCH * engine.step(1, 0)))
 
 
+def seat_wait(engine: EngineShape, flights: Flights, num_seqs: int, chunk: float, full_step_s: float) -> float:
+    """When the new request's sequences have seats (max_num_seqs), if they must wait for them: every
+    sequence in flight takes a seat in arrival order as one frees (a decoding one holds its seat for
+    its tokens left, a waiting one from when its seat frees and its prompt is computed, the prompt
+    queue draining chunk tokens a full step, for its tokens left); the new request's last sequence
+    takes the seat that frees after those. inf for more sequences than seats."""
+    total = int(flights.num_seqs.sum()) + num_seqs
+    if total <= engine.seats:
+        return 0.0
+    if num_seqs > engine.seats:
+        return float("inf")
+    waiting = flights.prompt_tokens > 0
+    decoding = (~waiting) & (flights.tokens_left > 0)
+    gap = engine.step(min(total, engine.seats), 0)
+    free = list(np.repeat(flights.tokens_left[decoding], flights.num_seqs[decoding].astype(np.int64)) * gap)
+    free += [0.0] * max(engine.seats - len(free), 0)
+    heapq.heapify(free)
+    ready = np.cumsum(flights.prompt_tokens[waiting]) / chunk * full_step_s  # prompts computed, in order
+    # A prompt computed when its seat frees lengthens the step it shares, so it delays every seat
+    # still held: an offset on all the times in the heap (stored less the offset).
+    offset = 0.0
+    for n, prompt, left, at in zip(flights.num_seqs[waiting].astype(np.int64), flights.prompt_tokens[waiting],
+                                   flights.tokens_left[waiting], ready, strict=True):
+        cost = engine.step(engine.seats, float(prompt)) - engine.step(engine.seats, 0)
+        for _ in range(int(n)):
+            start = max(heapq.heappop(free) + offset, float(at))
+            heapq.heappush(free, start + float(left) * gap - offset)
+        offset += cost
+    return max(heapq.heappop(free) + offset for _ in range(num_seqs))
+
+
 def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, ahead_tokens: int
                  ) -> float:
     """Half the step in flight, a seat, the prompt work ahead and its own prompt."""
@@ -91,13 +123,11 @@ def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_to
     work = min(ahead_tokens, queued) + prompt_tokens
     drain = engine.step(mid, work) if work <= chunk else work / chunk * engine.step(mid, chunk)
     in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
-    over = int(flights.num_seqs.sum()) + num_seqs - engine.seats
-    seat_wait = 0.0
-    if over > 0:
-        gaps = np.repeat(flights.tokens_left[decoding], flights.num_seqs[decoding].astype(np.int64))
-        gaps = np.sort(gaps) * engine.step(d0, 0)
-        seat_wait = float(gaps[over - 1]) if over <= len(gaps) else float("inf")
-    return in_flight_step + seat_wait + drain
+    wait = seat_wait(engine, flights, num_seqs, chunk, engine.step(mid, chunk))
+    # A seat frees after the prompts ahead are computed: its own prompt follows the later of the two.
+    ahead_s = drain - (engine.step(mid, prompt_tokens) if prompt_tokens <= chunk else
+                       prompt_tokens / chunk * engine.step(mid, chunk))
+    return in_flight_step + max(wait, ahead_s) + (drain - ahead_s)
 
 
 class Calibration:
