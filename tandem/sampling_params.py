@@ -101,7 +101,9 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             if not _is_int(token) or token < 0:
                 raise ParamError(f"logit_bias keys must be token ids (got {token!r})", "logit_bias")
-            if not isinstance(bias, int | float) or not math.isfinite(bias) or not -100 <= bias <= 100:
+            # True is an int to Python, but no bias a caller meant.
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias) \
+                    or not -100 <= bias <= 100:
                 raise ParamError(f"logit_bias values must be in [-100, 100] (got {bias!r} for token {token})",
                                  "logit_bias")
 

@@ -50,6 +50,9 @@ def test_a_bad_prompt_rejects_the_whole_call(llm_fp32) -> None:  # noqa: ANN001
     ({"temperature": float("nan")}, "temperature must be a finite"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite"),
     ({"top_k": -2}, "top_k"),
+    ({"logit_bias": {True: 1}}, "logit_bias keys"),
+    ({"logit_bias": {12: True}}, "logit_bias values"),
+    ({"logit_bias": {12: "5"}}, "logit_bias values"),
 ])
 def test_bad_sampling_params(kwargs, message) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=message):

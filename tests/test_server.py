@@ -311,6 +311,29 @@ def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
     assert complete(logit_bias={str(first[0]): -100})["logprobs"]["tokens"][0] != plain[0]
 
 
+@pytest.mark.parametrize(("bias", "says"), [
+    ({"1_0": 1}, "'1_0'"),  # int() takes these four as token ids
+    ({" 12 ": 1}, "' 12 '"),
+    ({"\u0661\u0662": 1}, "'\u0661\u0662'"),  # Arabic-Indic 12
+    ({"+12": 1}, "'+12'"),
+    ({"12": True}, "True"),  # pydantic's lax float takes these two as 1.0 and 5.0
+    ({"12": "5"}, "'5'"),
+    ({"12": None}, "None"),
+])
+def test_logit_bias_keys_are_ascii_token_ids_and_values_numbers(server: Server, bias: dict, says: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+        r = httpx.post(f"{server.url}{path}", json=body | {"logit_bias": bias}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"], err["type"]) == ("logit_bias", 400, "BadRequestError"), err
+        what = "values must be numbers" if "12" in bias else "keys must be token ids written as ASCII digits"
+        assert err["message"].startswith(f"logit_bias {what} (got {says}"), err
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"12": 5}},
+                    timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
 def test_unknown_fields_are_ignored_and_named(server: Server) -> None:
     """As vLLM, a field the API does not know is ignored; the response names it (X-Ignored-Fields),
     streaming or not, on every JSON POST endpoint. The log line: tests/test_unknown_fields.py."""
@@ -324,6 +347,14 @@ def test_unknown_fields_are_ignored_and_named(server: Server) -> None:
         ("/v1/chat/completions", {"messages": hi, "max_tokens": 2, "stream": True, "store": True}, "store"),
         ("/tokenize", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
         ("/detokenize", {"tokens": [504], "frobnicate": 1}, "frobnicate"),
+        # A name that could break the header (h11 refuses a value ending in a space: no response at all)
+        # or forge a log line is shown as a JSON string in ASCII; plain names stay as they are.
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "x ": 1}, '"x "'),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "stream": True, "": 1, "a\nb": 2, "\u00e9": 3,
+                             "plain": 4}, '"", "a\\nb", "\\u00e9", plain'),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "\t": 1}], "max_tokens": 2},
+         '"messages[].\\t"'),
+        ("/tokenize", {"prompt": "hi", " lead": 1, "a, b": 2, "\x7f": 3}, '" lead", "a, b", "\\u007f"'),
         # known fields, whether or not Tandem uses them, are not named
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "user": "u1", "suffix": None, "stream": True,
                              "stream_options": {"include_usage": True}}, None),

@@ -195,6 +195,60 @@ def test_strict_closes_every_object_and_keeps_what_the_schema_says() -> None:
     assert json_schema_of(StructuredOutputs("json", json.dumps(own))) == own  # the schema's own spacing wins
 
 
+KIND = {"type": "object", "properties": {"kind": {"type": "string"}}}
+# Schemas whose combinators refine their object: strict must not change what they accept.
+REFINED = [
+    KIND | {"anyOf": [{"properties": {"kind": {"const": "a"}}}, {"required": ["x"]}]},
+    KIND | {"oneOf": [{"properties": {"kind": {"const": "a"}}, "required": ["kind"]}, {"required": ["x"]}]},
+    KIND | {"allOf": [{"properties": {"x": {"type": "integer"}}}, {"required": ["kind"]}]},
+    KIND | {"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]},
+            "else": {"properties": {"y": {"type": "integer"}}}},
+    KIND | {"additionalProperties": True, "not": {"properties": {"kind": {"const": "b"}}, "required": ["kind"]}},
+    KIND | {"dependentSchemas": {"kind": {"properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+    {"required": ["x"]},  # closed, an object that requires what it does not name would take nothing
+    {"type": "object", "additionalProperties": True, "properties": {"p": {
+        "type": "object", "required": ["x"], "not": {"properties": {"x": {"type": "object", "properties": {}}}}}}},
+]
+INSTANCES = [{}, {"kind": "a"}, {"kind": "b"}, {"x": 1}, {"kind": "a", "x": 1}, {"kind": "b", "x": 1},
+             {"kind": "a", "y": 2}, {"kind": "b", "y": 2}, {"kind": "b", "x": "s"}, {"kind": "a", "x": 1, "z": 3},
+             {"p": {"x": 1}}, {"p": {"x": {"w": 1}}}, {"p": {}}, 5, None]
+
+
+@pytest.mark.parametrize("schema", REFINED)
+def test_strict_keeps_what_combinators_mean(schema: dict) -> None:
+    """A branch of anyOf, oneOf, allOf, if/then/else or dependentSchemas constrains its parent's
+    object, and `not` and `if` turn what they hold around: closing any of them (or a parent whose
+    branches name other properties) would refuse objects the schema takes."""
+    from tandem.engine.structured import closed_objects
+
+    original = jsonschema.Draft202012Validator(schema)
+    closed = jsonschema.Draft202012Validator(closed_objects(schema))
+    assert [original.is_valid(i) for i in INSTANCES] == [closed.is_valid(i) for i in INSTANCES]
+    # and the instances tell: each schema takes one with a property its object does not name
+    assert any(isinstance(i, dict) and set(i) - {"kind"} and original.is_valid(i) for i in INSTANCES)
+    if schema is REFINED[0]:
+        assert closed.is_valid({"kind": "a", "x": 1})  # refused, when strict closed the anyOf's branches
+
+
+def test_strict_still_closes_objects_and_the_branches_of_a_plain_union() -> None:
+    from tandem.engine.structured import closed_objects
+
+    item = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for schema, extra in (
+            (item, {"a": 1, "b": 2}),
+            (KIND | {"properties": {"inner": item}, "anyOf": [{"required": ["kind"]}, {"required": ["inner"]}]},
+             {"inner": {"a": 1, "b": 2}}),  # the parent stays open; what its properties hold is closed
+            ({"anyOf": [item, {"type": "null"}]}, {"a": 1, "b": 2}),  # a union's branch is the whole value
+            ({"oneOf": [item, {"type": "array", "items": item}]}, [{"a": 1, "b": 2}]),
+            ({"allOf": [{"properties": {"o": item}}]}, {"o": {"a": 1, "b": 2}}),
+            ({"if": {"type": "object"}, "then": {"properties": {"o": item}}}, {"o": {"a": 1, "b": 2}})):
+        fitting = json.loads(json.dumps(extra).replace(', "b": 2', ""))
+        original = jsonschema.Draft202012Validator(schema)
+        closed = jsonschema.Draft202012Validator(closed_objects(schema))
+        assert original.is_valid(extra) and original.is_valid(fitting) and closed.is_valid(fitting), schema
+        assert not closed.is_valid(extra), schema
+
+
 def test_compact_json_has_no_free_whitespace_and_flexible_is_llguidances_default(llm_fp32) -> None:  # noqa: ANN001
     import llguidance
 

@@ -5,6 +5,7 @@ tests/test_server.py::test_unknown_fields_are_ignored_and_named."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -53,8 +54,8 @@ def test_one_warning_per_request_and_the_header(caplog: pytest.LogCaptureFixture
     [record] = caplog.records
     assert record.levelno == logging.WARNING and "rid1" in record.getMessage()
     # The client's names, escaped: a newline cannot start a forged log line, nor break the header.
-    assert record.getMessage().endswith("ignored unknown fields: a, b\\n\\xe9, stream_options.c")
-    assert headers == {"X-Ignored-Fields": "a, b\\n\\xe9, stream_options.c"}
+    assert record.getMessage().endswith('ignored unknown fields: a, "b\\n\\u00e9", stream_options.c')
+    assert headers == {"X-Ignored-Fields": 'a, "b\\n\\u00e9", stream_options.c'}
     caplog.clear()
     assert UnknownFields().check(CompletionRequest.model_validate({"prompt": "x"}), "rid2") == {}
     assert not caplog.records
@@ -63,6 +64,22 @@ def test_one_warning_per_request_and_the_header(caplog: pytest.LogCaptureFixture
         header = UnknownFields().check(many, "rid3")["X-Ignored-Fields"]
     assert len(header.split(", ")) == MAX_NAMED and len(header) < 1200
     assert caplog.records[0].getMessage().endswith(f"(and {40 - MAX_NAMED} more)")
+
+
+@pytest.mark.parametrize("name", ["x ", " x", "", "a\nb", "a\r\nX-Forged: 1", "\t", "\x00", "\x7f", "\u00e9",
+                                  "\U0001f600", "a, b", '"q"', "\u2028", "\u00e9" * 40])
+def test_a_name_that_could_break_the_header_is_quoted(name: str) -> None:
+    """h11 refuses a header value with edge spaces, control or non-ASCII characters: the response would
+    never be sent (the server logs a 500). Such a name is a JSON string in ASCII; it decodes back to
+    the name (cut at MAX_NAME_CHARS characters of its escaped form, never inside an escape)."""
+    h11 = pytest.importorskip("h11")
+    body = CompletionRequest.model_validate({"prompt": "x", "plain": 2, name: 1})  # last: its edge is the header's
+    header = UnknownFields().check(body, "rid")["X-Ignored-Fields"]
+    h11.Response(status_code=200, headers=[("X-Ignored-Fields", header)])  # raises on an invalid value
+    plain, quoted = header.split(", ", 1)
+    assert plain == "plain" and quoted.isascii() and quoted.isprintable()
+    shown = json.loads(quoted)
+    assert name.startswith(shown) and (shown == name or len(quoted) > 60)
 
 
 def test_reject_unknown_fields_is_a_400_naming_them() -> None:

@@ -29,39 +29,68 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # a sampled reply can wander into newlines there until max_tokens runs out (issue #33).
 COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
-# Where a schema holds subschemas: a map of them, a list of them, or one (items may be either).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "contains", "not",
-               "if", "then", "else", "propertyNames")
+# Where a schema holds subschemas of other values (its properties', its items'): a map of them, a list
+# of them (prefixItems), or one (items may be either). Each describes its value alone: closed as a whole.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "contains",
+               "propertyNames")
+# Subschemas that apply to the schema's own instance, alongside it: they may name or require properties
+# that it does not, so neither they nor a schema that has them are closed (that would refuse what the
+# schema accepts). `not` and `if` are kept as written, nested objects too: closing inside a negation or
+# a condition widens what the schema accepts, or switches a branch.
+_UNIONS = ("anyOf", "oneOf")
+_REFINING_LISTS = ("allOf", *_UNIONS)
+_REFINING_ONE = ("then", "else")
+_REFINING = (*_REFINING_LISTS, *_REFINING_ONE, "if", "dependentSchemas")
 
 
-def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+def _names_an_object(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or \
+        (kind is None and any(k in schema for k in ("properties", "required", "patternProperties")))
+
+
+def closed_objects(schema: Any, whole: bool = True) -> Any:
     """OpenAI's (and xgrammar's) strict mode: every object schema that does not say
     additionalProperties gets additionalProperties false, at any depth; the schema is not changed.
-    An allOf's branches and their parent are left open: they describe one object together, and each
-    closed alone would refuse the properties the others name."""
+    Combinators keep their meaning: a branch of allOf, anyOf, oneOf, then, else or dependentSchemas
+    constrains its parent's instance (whole False), so it stays open, and so does a parent that has
+    such branches (or an if); what is nested in a branch is closed. `not` and `if` are left as written.
+    One exception: the branches of a union that says nothing of its own about objects
+    ({"anyOf": [A, {"type": "null"}]}) each describe the whole value, and are closed as any object is."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    union_of_wholes = whole and not _names_an_object(out)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    if isinstance(out.get("dependentSchemas"), dict):
+        out["dependentSchemas"] = {k: closed_objects(v, False) for k, v in out["dependentSchemas"].items()}
+    for key in ("prefixItems", *_REFINING_LISTS):
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(v, key == "allOf") for v in out[key]]
-    for key in _SCHEMA_ONE:
+            branch_whole = key == "prefixItems" or (key in _UNIONS and union_of_wholes)
+            out[key] = [closed_objects(v, branch_whole) for v in out[key]]
+    for key in (*_SCHEMA_ONE, *_REFINING_ONE):
         if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
+            out[key] = closed_objects(out[key], key in _SCHEMA_ONE)
         elif key == "items" and isinstance(out.get(key), list):
             out[key] = [closed_objects(v) for v in out[key]]
-    kind = out.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or \
-        (kind is None and any(k in out for k in ("properties", "required", "patternProperties")))
-    if is_object and not in_all_of and "allOf" not in out and "additionalProperties" not in out \
-            and "unevaluatedProperties" not in out:
+    if whole and _closable(out):
         out["additionalProperties"] = False
     return out
+
+
+def _closable(schema: dict[str, Any]) -> bool:
+    """An object schema that says nothing of its other properties and has no branches. One that
+    requires a property it does not name stays open: closed, it would take no value at all."""
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or \
+        (kind is None and any(k in schema for k in ("properties", "patternProperties")))
+    named = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    return is_object and not any(k in schema for k in (*_REFINING, "additionalProperties", "unevaluatedProperties")) \
+        and all(name in named for name in required)
 
 
 def json_schema_of(so: StructuredOutputs) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,8 @@ from tandem.engine.processor import check_encodable
 from tandem.sampling_params import MAX_SEED, ParamError, SamplingParams, StructuredOutputs
 
 INT32 = 2**31
+# A logit_bias key: a token id in ASCII decimal, nothing else (no sign, spaces, underscores or other scripts' digits).
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
 # Strict: JSON true and 1.0 are not token ids. The vocabulary bound is the engine's (InputProcessor).
 TokenId = Annotated[StrictInt, Field(ge=0, lt=INT32)]
 
@@ -145,6 +148,18 @@ class _SamplingFields(RequestBody):
     # OpenAI's: token ids (as JSON object keys, so strings) to a bias in [-100, 100] (SamplingParams checks it).
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_shape(cls, v: Any) -> Any:
+        # Before pydantic's coercion: it (and int()) would take "1_0", " 12 ", "١٢" as token ids and
+        # true or "5" as biases, so a malformed map would bias some token instead of being a 400.
+        for token, bias in v.items() if isinstance(v, dict) else ():
+            if not isinstance(token, str) or not _TOKEN_ID_KEY.fullmatch(token):
+                raise ValueError(f"logit_bias keys must be token ids written as ASCII digits (got {token!r})")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise ValueError(f"logit_bias values must be numbers (got {bias!r} for token {token})")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_non_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -173,7 +188,7 @@ class _SamplingFields(RequestBody):
         for token, bias in self.logit_bias.items():
             try:
                 biases[int(token)] = bias
-            except ValueError:
+            except ValueError:  # ASCII digits (checked on parsing), but too many for int()
                 raise ParamError(f"logit_bias keys must be token ids (got {token!r})", "logit_bias") from None
         return biases
 

@@ -4,7 +4,9 @@ them, but said so: one warning per request and the X-Ignored-Fields response hea
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -19,6 +21,27 @@ HEADER = "X-Ignored-Fields"
 MAX_NAMED, MAX_NAME_CHARS = 16, 64
 
 
+# A name shown as it is: what an API's field paths are made of (`messages[].x`). Nothing here can end a
+# header value or a log line, or be mistaken for the list's separator or a quoted name.
+_PLAIN = re.compile(r"[A-Za-z0-9_.\[\]$@:/+-]+")
+
+
+def _shown(name: str) -> str:
+    """A client's field name for the header and the log line: as it is when plain, else as a JSON
+    string in ASCII (`"x "`, `""`, `"a\\nb"`, `"\\u00e9"`), so that empty names, edge spaces, control
+    and non-ASCII characters can neither make the header invalid (h11 refuses it: no response at
+    all) nor forge log lines. At most MAX_NAME_CHARS characters of it, an escape never cut."""
+    if _PLAIN.fullmatch(name):
+        return name[:MAX_NAME_CHARS]
+    shown = ""
+    for char in name:
+        escaped = json.dumps(char)[1:-1]
+        if len(shown) + len(escaped) > MAX_NAME_CHARS:
+            break
+        shown += escaped
+    return f'"{shown}"'
+
+
 @dataclass(frozen=True)
 class UnknownFields:
     reject: bool = False  # --reject-unknown-fields
@@ -28,9 +51,7 @@ class UnknownFields:
         found = unknown_fields(body)
         if not found:
             return {}
-        # The names are the client's: printable ASCII only, so that they can neither break the
-        # header nor forge log lines.
-        names = [ascii(name)[1:-1][:MAX_NAME_CHARS] for name in found[:MAX_NAMED]]
+        names = [_shown(name) for name in found[:MAX_NAMED]]
         listed = ", ".join(names) + (f" (and {len(found) - MAX_NAMED} more)" if len(found) > MAX_NAMED else "")
         if self.reject:
             raise bad_request(f"unknown fields: {listed} (the server runs with --reject-unknown-fields)", names[0])
