@@ -56,6 +56,10 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
     seed: int = 0
+    # Batch-invariant numerics: each row's result independent of its batch, chunking and cache state,
+    # so greedy output is the same alone or batched, streamed or not, cached or not (ops/batch_invariant.h;
+    # the compiled AVX512 kernels; the PyTorch fallbacks make no such promise).
+    deterministic: bool = True
 
 
 @dataclass

@@ -22,6 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
                         "dequantize to --dtype; auto: gguf, or none where --dtype is bfloat16 computed natively "
                         "(faster there, measured). A model directory is dense either way")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=ModelConfig.deterministic,
+                   help="batch-invariant kernels: greedy output and logprobs are the same whether a request runs "
+                        "alone or batched, streamed or not, from the prefix cache or not, prefilled whole or in "
+                        "chunks (AVX512 builds); --no-deterministic: the batch-dependent fast paths")
     p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -81,7 +85,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+    return dict(dtype=args.dtype, quantization=args.quantization, deterministic=args.deterministic,
+                kv_cache_memory=args.kv_cache_memory,
                 num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                 prefault_kv_cache=args.prefault_kv_cache,
                 max_num_batched_tokens=args.max_num_batched_tokens,

@@ -21,13 +21,14 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request
 from tandem.engine.sampler import sample, token_logprobs
-from tandem.engine.step import SchedulerOutput
+from tandem.engine.step import ScheduledRequest, SchedulerOutput
 from tandem.engine.structured import StructuredState, apply_masks
 from tandem.kv.host_memory import huge_page_zeros, prefault
 from tandem.kv.pool import KVPool, PoolPart, shared_zeros
 from tandem.model.arch import ArchConfig
 from tandem.model.attention import AttentionMetadata, build_attention_metadata
 from tandem.model.causal_lm import CausalLM
+from tandem.ops import extension
 from tandem.parallel.shm import GroupFailed
 
 GiB = 1 << 30
@@ -89,6 +90,9 @@ class ModelRunner:
                  shared_kv: bool = False) -> None:
         self.model = model
         self.block_size = config.cache.block_size
+        # Batch invariance: the kernels' (ops/batch_invariant.h), and a prompt's rows always through the
+        # prefill kernel, a one-token chunk too (a fully cached prompt's last token), as when whole.
+        self.deterministic = config.model.deterministic
         self.device = torch.device(config.model.device)
         # In a worker group (engine/worker_group.py) every rank holds its KV heads of these blocks
         # and runs each step; rank 0 sees every rank's part (kv/pool.py) where they share memory.
@@ -117,15 +121,23 @@ class ModelRunner:
         except Exception as e:
             raise GroupFailed(f"a step failed on rank 0 of the worker group: {type(e).__name__}: {e}") from e
 
+    def _decode_row(self, s: ScheduledRequest) -> bool:
+        """A row the decode kernel serves: one query token (deterministic: a generated one, not a prompt's)."""
+        return s.num_new_tokens == 1 and (not self.deterministic or
+                                          s.request.num_computed_tokens >= s.request.num_prompt_tokens)
+
     def forget(self, request_ids: list[str]) -> None:
         """Drop what the runner keeps for requests whose blocks were freed (their block-table rows)."""
         self.block_tables.release(request_ids)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
+        extension.set_batch_invariant(self.deterministic)
         # Single-token queries first: the attention backend serves them with the paged decode kernel.
-        items = sched.scheduled if sched.decodes_first else sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
+        items = sched.scheduled
+        if self.deterministic or not sched.decodes_first:
+            items = sorted(items, key=lambda s: not self._decode_row(s))
+        num_decodes = sum(1 for s in items if self._decode_row(s))
         q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
         context_lens = np.fromiter((s.request.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
         block_tables = self.block_tables.gather(items)

@@ -198,6 +198,7 @@ def run_follower(start: RankStart) -> None:
     device = torch.device(config.model.device)
     comm = GroupComm(shard.rank, shard.size, device, start.address)
     m = config.model
+    extension.set_batch_invariant(m.deterministic)  # as rank 0's runner sets it: every rank's rows alike
     try:
         loaded = load_model(m.model, m.dtype, m.device, m.quantization, shard=shard)
         error = None

@@ -173,6 +173,19 @@ def extension_available() -> bool:
     return load_extension()
 
 
+_batch_invariant: bool | None = None  # as last set in this process (the kernels' flag is process-wide)
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Switch the kernels' batch-invariant numerics (ops/batch_invariant.h) for this process. Engines
+    call it before each step, so engines of both kinds can share a process; a call that changes
+    nothing costs no op call."""
+    global _batch_invariant
+    if on != _batch_invariant and load_extension():
+        torch.ops.tandem.set_batch_invariant(on)
+        _batch_invariant = on
+
+
 def extension_error() -> str | None:
     """Why the extension failed to build or load in this process, if it did."""
     return _build_failed

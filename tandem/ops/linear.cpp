@@ -25,6 +25,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "batch_invariant.h"
 #include "simd.h"
 
 #include <cpuid.h>
@@ -41,6 +42,10 @@ namespace {
 constexpr int64_t kPanel = 32;   // output columns per packed panel
 constexpr int64_t kMaxRows = 8;  // rows whose accumulators are held in registers at once (16 of 32 zmm)
 constexpr int64_t kBrgemmRows = 32;  // rows per brgemm call
+// Batch-invariant (batch_invariant.h): every row count through the dpbf16 loop with two chains per
+// row (S = 2), six rows at a time: 6 x 2 x 2 accumulators, the two weight vectors and the broadcast
+// fit the 32 registers, and a row's sums come out the same in any block of any size.
+constexpr int64_t kInvariantRows = 6;
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
@@ -79,13 +84,12 @@ struct PanelStore {
   }
 };
 
-// Rows [0, MR) of x against one panel (n <= 32 valid columns), written to y.
-template <int MR>
+// Rows [0, MR) of x against one panel (n <= 32 valid columns), written to y. With few rows the
+// dpbf16 chains of a row wait on each other's latency: pairs along K take turns between S sets of
+// chains, summed at the end (1 row: 12.3 to 9.0 ms for the model). S fixes a row's order of sums.
+template <int MR, int S = (MR <= 4 ? 2 : 1)>
 void panel_rows(const bf16* x, int64_t ldx, const uint32_t* panel, int64_t KP, int64_t n, const float* bias, bf16* y,
                 int64_t ldy) {
-  // With up to four rows, the dpbf16 chains of a row wait on each other's latency: pairs along K
-  // take turns between S sets of chains, summed at the end (1 row: 12.3 to 9.0 ms for the model).
-  constexpr int S = MR <= 4 ? 2 : 1;
   __m512 acc[S][MR][2];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < MR; ++r) acc[s][r][0] = acc[s][r][1] = _mm512_setzero_ps();
@@ -179,6 +183,28 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   const float* B = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   bf16* Y = static_cast<bf16*>(y.data_ptr());
   const int64_t lda = xr.stride(0), KP = K / 2;
+  if (batch_invariant()) {
+    at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n = std::min(kPanel, N - p * kPanel);
+        const uint32_t* panel = W + p * KP * kPanel;
+        const float* b = B ? B + p * kPanel : nullptr;
+        for (int64_t m = 0; m < M; m += kInvariantRows) {
+          const bf16* xm = X + m * lda;
+          bf16* ym = Y + m * N + p * kPanel;
+          switch (std::min(kInvariantRows, M - m)) {
+            case 1: panel_rows<1, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+            case 2: panel_rows<2, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+            case 3: panel_rows<3, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+            case 4: panel_rows<4, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+            case 5: panel_rows<5, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+            default: panel_rows<6, 2>(xm, lda, panel, KP, n, b, ym, N); break;
+          }
+        }
+      }
+    });
+    return y.view(out_shape);
+  }
   if (M > dot_rows()) {
     const int64_t tail_rows = cpu_has_amx() ? M % kBrgemmRows : 0;
     at::Tensor tail = at::zeros({tail_rows ? kBrgemmRows : 0, K}, x.options());
@@ -220,9 +246,16 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   return y.view(out_shape);
 }
 
+void set_batch_invariant(bool on) { batch_invariant_flag().store(on); }
+
+bool get_batch_invariant() { return batch_invariant(); }
+
 }  // namespace tandem_ops
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  // No tensor arguments, so no dispatch key: catch-all kernels.
+  m.def("set_batch_invariant(bool on) -> ()", &tandem_ops::set_batch_invariant);
+  m.def("get_batch_invariant() -> bool", &tandem_ops::get_batch_invariant);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("small_batch_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }

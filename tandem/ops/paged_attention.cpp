@@ -30,6 +30,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "batch_invariant.h"
 #include "decode_blocks.h"
 
 #include <algorithm>
@@ -256,8 +257,12 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
   const int64_t head_chunks = std::min(KVH, (target + n_seqs - 1) / n_seqs);
   const int64_t kv_per_chunk = (KVH + head_chunks - 1) / head_chunks;
   int64_t part_blocks = std::numeric_limits<int32_t>::max();
-  if (nthreads > 1) {
-    const int64_t min_part = std::max<int64_t>(1, (kMinPartTokens + BS - 1) / BS);
+  const int64_t min_part = std::max<int64_t>(1, (kMinPartTokens + BS - 1) / BS);
+  if (batch_invariant()) {
+    // Parts at fixed positions, merged in order, whatever the batch and the threads: a sequence's
+    // sums are the same in any step (a part is one chunk of the online softmax).
+    part_blocks = std::max<int64_t>(1, chunk_blocks(BS));
+  } else if (nthreads > 1) {
     part_blocks = std::max(min_part, (total_blocks * head_chunks + target - 1) / target);
   }
 

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "attention_common.h"
+#include "batch_invariant.h"
 #include "paged_prefill.h"
 
 #include <algorithm>
@@ -234,13 +235,15 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
   validate(P, N, k_cache.size(0));
 #if defined(__AVX512F__)
   // A few queries per sequence over a long context (speculative verification): the 16-row tiles read
-  // each key once per 16 rows, where the brgemm path's blocks are mostly padding.
+  // each key once per 16 rows, where the brgemm path's blocks are mostly padding. Batch-invariant: every
+  // row through brgemm, whose sums do not depend on the rows beside it (the batch's longest query would
+  // otherwise pick the path).
   int64_t longest_query = 0;
   for (int64_t s = 0; s < N; ++s)
     longest_query = std::max<int64_t>(longest_query, P.query_start[s + 1] - P.query_start[s]);
   if (q.scalar_type() == at::kFloat)
     run_prefill_tiles<float>(P, N);
-  else if (prefill_brgemm_usable(D) && longest_query * P.group > kFewQueryRows)
+  else if (prefill_brgemm_usable(D) && (batch_invariant() || longest_query * P.group > kFewQueryRows))
     run_prefill_brgemm(P, N);
   else
     run_prefill_tiles<bf16>(P, N);
