@@ -84,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=["default", *SHAPES], default="default")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("results/batch_invariance"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_invariance"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
