@@ -61,6 +61,34 @@ def make_llm() -> Callable[..., object]:
     return make
 
 
+# The server most tests talk to: the shipped defaults (admission queue, bfloat16 where native,
+# batch-invariant kernels, the native layer stack), with a small pool so several servers fit.
+DEFAULT_SERVER = ("--kv-cache-memory", "0.5")
+# For tests that compare tokens or logprobs with transformers in float32 (each says so).
+FP32_SERVER = ("--dtype", "float32", "--kv-cache-memory", "0.25")
+
+
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[Callable[..., object]]:
+    """A real `tandem serve` per argument list, started on first use and kept for the session (each
+    start costs seconds of model loading and profiling). Tests that kill, restart or count on a
+    fresh server start their own."""
+    from server_utils import Server
+
+    servers: dict[tuple[str, ...], Server] = {}
+
+    def get(*args: str) -> Server:
+        if args not in servers or servers[args].proc.poll() is not None:
+            server = Server(list(args))
+            servers[args] = server
+            server.wait_ready()
+        return servers[args]
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def llm_fp32(make_llm):  # noqa: ANN001, ANN201
     return make_llm(dtype="float32")

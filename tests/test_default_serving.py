@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import running_server
+from conftest import DEFAULT_SERVER
 
 from tandem.ops import extension
 
@@ -26,9 +26,8 @@ def text(n_words: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():  # noqa: ANN201
-    with running_server("--kv-cache-memory", "1") as s:
-        yield s
+def server(shared_server):  # noqa: ANN001, ANN201
+    return shared_server(*DEFAULT_SERVER)
 
 
 async def _post(c: httpx.AsyncClient, url: str, body: dict) -> httpx.Response:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import running_server
+from conftest import FP32_SERVER
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "evals/tandem_python"
@@ -27,9 +27,9 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():  # noqa: ANN201
-    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as s:
-        yield s
+def server(shared_server):  # noqa: ANN001, ANN201
+    """float32: every score and reply is compared with transformers' in float32."""
+    return shared_server(*FP32_SERVER)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import torch
-from server_utils import running_server
+from conftest import FP32_SERVER
 
 from tandem import SamplingParams
 
@@ -50,29 +50,30 @@ def test_prompt_logprobs_equal_transformers(make_llm, hf_reference, options: dic
                 assert abs(own.rank - (int((row > want[i - 1]).sum()) + 1)) < close + 1, i
 
 
-def test_echo_with_logprobs_scores_the_prompt_through_the_api(hf_reference) -> None:  # noqa: ANN001
+def test_echo_with_logprobs_scores_the_prompt_through_the_api(hf_reference, shared_server) -> None:  # noqa: ANN001
     """What lm-eval's local-completions sends for a log-likelihood: token ids, echo, logprobs=1,
-    max_tokens=1; the first token has none, the rest are the prompt's, then the generated one."""
-    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as server:
-        ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
-        body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
-        for _ in range(2):
-            choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-            lp = choice["logprobs"]
-            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
-            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-            want = reference(hf_reference, ids).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(ids)]), want, atol=2e-4, rtol=0)
-            assert choice["text"].startswith(PROMPTS[0])
-            assert "".join(lp["tokens"][:len(ids)]) == PROMPTS[0]
-            assert lp["text_offset"][0] == 0
-        streamed: list[float | None] = []
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
-                        streamed += c["logprobs"]["token_logprobs"]
-        assert streamed == lp["token_logprobs"]
+    max_tokens=1; the first token has none, the rest are the prompt's, then the generated one
+    (float32: compared with transformers in float32)."""
+    server = shared_server(*FP32_SERVER)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    for _ in range(2):
+        choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = reference(hf_reference, ids).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(ids)]), want, atol=2e-4, rtol=0)
+        assert choice["text"].startswith(PROMPTS[0])
+        assert "".join(lp["tokens"][:len(ids)]) == PROMPTS[0]
+        assert lp["text_offset"][0] == 0
+    streamed: list[float | None] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c["logprobs"]["token_logprobs"]
+    assert streamed == lp["token_logprobs"]
 
 
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked-16"])

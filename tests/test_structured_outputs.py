@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import jsonschema
 import pytest
+from conftest import DEFAULT_SERVER
 from server_utils import running_server
 
 from tandem import SamplingParams
@@ -66,33 +67,33 @@ def test_regexes_and_choices_match_and_free_requests_are_unchanged(llm_fp32) -> 
         assert out.finish_reason == "length" and len(out.token_ids) == 200, out.finish_reason
 
 
-def test_the_api_takes_response_format_and_refuses_what_does_not_compile() -> None:
+def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_server) -> None:  # noqa: ANN001
     schema = SCHEMAS[0]
-    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as server:
-        def chat(**fields: object) -> httpx.Response:
-            return httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
-                              json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
+    server = shared_server(*DEFAULT_SERVER)
+    def chat(**fields: object) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                          json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
 
-        r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
-                                                                           "strict": True}})
-        assert r.status_code == 200, r.text
-        content = r.json()["choices"][0]["message"]["content"]
-        jsonschema.validate(json.loads(content), schema)
-        assert json.dumps(json.loads(content)) == content  # compact, as json.dumps writes it
-        r = chat(max_tokens=4, response_format={"type": "json_object"})
-        assert r.json()["choices"][0]["finish_reason"] == "length", r.text  # cut: not an object, and says so
-        r = chat(structured_outputs={"choice": ["yes", "no"]})
-        assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
-        r = chat(guided_regex="[0-9]{4}", stream=True)
-        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
-                       for line in r.text.splitlines() if line.startswith("data: {") and '"choices": [{' in line)
-        assert re.fullmatch("[0-9]{4}", text), text
-        for fields, param in (({"guided_regex": "[a-z"}, "response_format"),
-                              ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-                              ({"response_format": {"type": "json_schema"}}, "response_format")):
-            r = chat(**fields)
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert httpx.get(f"{server.url}/health").status_code == 200
+    r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                       "strict": True}})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), schema)
+    assert json.dumps(json.loads(content)) == content  # compact, as json.dumps writes it
+    r = chat(max_tokens=4, response_format={"type": "json_object"})
+    assert r.json()["choices"][0]["finish_reason"] == "length", r.text  # cut: not an object, and says so
+    r = chat(structured_outputs={"choice": ["yes", "no"]})
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    r = chat(guided_regex="[0-9]{4}", stream=True)
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                   for line in r.text.splitlines() if line.startswith("data: {") and '"choices": [{' in line)
+    assert re.fullmatch("[0-9]{4}", text), text
+    for fields, param in (({"guided_regex": "[a-z"}, "response_format"),
+                          ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format")):
+        r = chat(**fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_request_fields_and_the_server_default_set_strict_and_whitespace(llm_fp32) -> None:  # noqa: ANN001

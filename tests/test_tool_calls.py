@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import running_server
+from conftest import DEFAULT_SERVER
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
@@ -158,87 +158,87 @@ def test_a_named_function_is_the_only_call(llm_fp32) -> None:  # noqa: ANN001
         jsonschema.validate(json.loads(calls[0].arguments), TIME["parameters"])
 
 
-def test_the_openai_client_round_trip() -> None:
+def test_the_openai_client_round_trip(shared_server) -> None:  # noqa: ANN001
     tools = [{"type": "function", "function": t} for t in TOOLS]
-    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25") as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-        model = client.models.list().data[0].id
+    server = shared_server(*DEFAULT_SERVER)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
 
-        def ask(stream: bool, **fields: object):  # noqa: ANN202
-            return client.chat.completions.create(model=model, messages=ASK, tools=tools, temperature=0,
-                                                  max_tokens=120, stream=stream, **fields)
+    def ask(stream: bool, **fields: object):  # noqa: ANN202
+        return client.chat.completions.create(model=model, messages=ASK, tools=tools, temperature=0,
+                                              max_tokens=120, stream=stream, **fields)
 
-        def gathered(stream) -> tuple[str | None, list[tuple[str, str]], str]:  # noqa: ANN001
-            content, calls, finish = "", {}, None
-            for chunk in stream:
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    content += delta.content or ""
-                    for tc in delta.tool_calls or []:
-                        if tc.id is not None:
-                            calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
-                        else:
-                            calls[tc.index][1] += tc.function.arguments
-                    finish = choice.finish_reason or finish
-            return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+    def gathered(stream) -> tuple[str | None, list[tuple[str, str]], str]:  # noqa: ANN001
+        content, calls, finish = "", {}, None
+        for chunk in stream:
+            for choice in chunk.choices:
+                delta = choice.delta
+                content += delta.content or ""
+                for tc in delta.tool_calls or []:
+                    if tc.id is not None:
+                        calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
+                    else:
+                        calls[tc.index][1] += tc.function.arguments
+                finish = choice.finish_reason or finish
+        return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
 
-        # required: greedy, so the stream must carry exactly the response's calls
-        whole = ask(False, tool_choice="required").choices[0]
-        assert whole.finish_reason == "tool_calls" and whole.message.content is None
-        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-        assert calls and all(c.id.startswith("call_") and c.type == "function" for c in whole.message.tool_calls)
-        for name, arguments in calls:
-            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
-        assert gathered(ask(True, tool_choice="required")) == (None, calls, "tool_calls")
+    # required: greedy, so the stream must carry exactly the response's calls
+    whole = ask(False, tool_choice="required").choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls and all(c.id.startswith("call_") and c.type == "function" for c in whole.message.tool_calls)
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert gathered(ask(True, tool_choice="required")) == (None, calls, "tool_calls")
 
-        # a named function
-        named = ask(False, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
-        assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    # a named function
+    named = ask(False, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
 
-        # auto: what the model writes is parsed (held to a call here by a regex, so that the 135M
-        # model's choice does not decide the test), content first
-        regex = (r'Let me look\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
-                 r'"unit": "C"\}\}\n</tool_call>')
-        auto = ask(False, extra_body={"guided_regex": regex}).choices[0]
-        assert auto.finish_reason == "tool_calls" and auto.message.content == "Let me look."
-        [call] = auto.message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "C"
-        assert gathered(ask(True, extra_body={"guided_regex": regex})) == (
-            "Let me look.", [("get_weather", call.function.arguments)], "tool_calls")
-        plain = ask(False, extra_body={"guided_choice": ["It is sunny."]}).choices[0]
-        assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is sunny.", None, "stop")
+    # auto: what the model writes is parsed (held to a call here by a regex, so that the 135M
+    # model's choice does not decide the test), content first
+    regex = (r'Let me look\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+             r'"unit": "C"\}\}\n</tool_call>')
+    auto = ask(False, extra_body={"guided_regex": regex}).choices[0]
+    assert auto.finish_reason == "tool_calls" and auto.message.content == "Let me look."
+    [call] = auto.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "C"
+    assert gathered(ask(True, extra_body={"guided_regex": regex})) == (
+        "Let me look.", [("get_weather", call.function.arguments)], "tool_calls")
+    plain = ask(False, extra_body={"guided_choice": ["It is sunny."]}).choices[0]
+    assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is sunny.", None, "stop")
 
-        # none: the tools in the prompt (auto's prompt, token for token), but a call is content, not parsed
-        none = ask(False, tool_choice="none", extra_body={"guided_regex": regex})
-        bare = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
-        assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
-        assert none.choices[0].finish_reason == "stop"
-        assert none.usage.prompt_tokens == ask(False).usage.prompt_tokens > bare.usage.prompt_tokens
-        assert gathered(ask(True, tool_choice="none", extra_body={"guided_regex": regex})) == (
-            none.choices[0].message.content, [], "stop")
+    # none: the tools in the prompt (auto's prompt, token for token), but a call is content, not parsed
+    none = ask(False, tool_choice="none", extra_body={"guided_regex": regex})
+    bare = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
+    assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
+    assert none.choices[0].finish_reason == "stop"
+    assert none.usage.prompt_tokens == ask(False).usage.prompt_tokens > bare.usage.prompt_tokens
+    assert gathered(ask(True, tool_choice="none", extra_body={"guided_regex": regex})) == (
+        none.choices[0].message.content, [], "stop")
 
-        # the next turn: the call and its result go back in, and the prompt shows both
-        turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
-        after = client.chat.completions.create(model=model, messages=turn, tools=tools, temperature=0, max_tokens=20)
-        assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
-        shown = httpx.post(f"{server.url}/tokenize", json={"messages": turn}).json()["tokens"]
-        prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
-        assert "<tool_response>\n21 C and sunny\n</tool_response>" in prompt and call.function.arguments in prompt
+    # the next turn: the call and its result go back in, and the prompt shows both
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
+    after = client.chat.completions.create(model=model, messages=turn, tools=tools, temperature=0, max_tokens=20)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    shown = httpx.post(f"{server.url}/tokenize", json={"messages": turn}).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
+    assert "<tool_response>\n21 C and sunny\n</tool_response>" in prompt and call.function.arguments in prompt
 
-        # bad requests are 400s that name the field
-        for fields, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-                              ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-                              ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
-                              ({"tools": [], "tool_choice": "required"}, "tool_choice"),
-                              ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-                                  "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
-                                "tool_choice": "required"}, "tools")):
-            r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                           json={"messages": ASK, "tools": tools, "max_tokens": 5} | fields)
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
-        broken = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                               "function": {"name": "f", "arguments": "{oops"}}]}]
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": broken, "max_tokens": 5}, timeout=60)
-        assert r.status_code == 400 and "arguments" in r.json()["error"]["message"], r.text
-        assert httpx.get(f"{server.url}/health").status_code == 200
+    # bad requests are 400s that name the field
+    for fields, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                          ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+                          ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                          ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+                          ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                              "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
+                            "tool_choice": "required"}, "tools")):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                       json={"messages": ASK, "tools": tools, "max_tokens": 5} | fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+    broken = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{oops"}}]}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": broken, "max_tokens": 5}, timeout=60)
+    assert r.status_code == 400 and "arguments" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
