@@ -77,8 +77,9 @@ class Phase:
             reason = re.sub(r"\d+(\.\d+)?", "N", reason)  # one count per rule, whatever its figures
             reasons[reason] = reasons.get(reason, 0) + 1
         out_tokens = sum(r.output_tokens for r in self.admitted())
-        # Admitted (not refused) and not done within its 30 s timeout: the server's 408, or a late answer.
-        timed_out = sum(1 for r in self.records if r.status != 429 and (r.status == 408 or r.latency > TIMEOUT_S))
+        # Admitted (not refused) and not done within its 30 s timeout: the server's 408, a stream the
+        # server ended at its timeout, or a late answer.
+        timed_out = sum(1 for r in self.records if r.status != 429 and (not r.success or r.latency > TIMEOUT_S))
         return {"requests": len(self.records), "admitted": len(self.admitted()), "statuses": statuses,
                 "refused": len(refused), "admitted_past_timeout": timed_out,
                 "e2e_p99_s": float(np.percentile([r.latency for r in admitted], 99)) if admitted else None,

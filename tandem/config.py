@@ -118,6 +118,10 @@ class SchedulerConfig:
     # A prompt gets at most this many tokens per step (0: no cap), so that short prompts share steps
     # with a long one instead of queueing behind it (vLLM's name; chunked prefill must be on).
     long_prefill_token_threshold: int = 0
+    # While another tenant has requests here, a tenant's prompt tokens per step are at most this (and its
+    # weight's share of the budget): the step in flight when another tenant's chat arrives, and each of
+    # its decode steps, stay about as short as a step of this many tokens (0: the share alone).
+    contended_prefill_chunk: int = 128
     # Speculative decoding reserves room for this many extra tokens per running request per step.
     num_lookahead_tokens: int = 0
 

@@ -58,6 +58,13 @@ def test_short_chat_is_not_queued_behind_another_tenants_flood() -> None:
     while "b0" in s.requests:
         step(s)
     assert tokens_by_tenant(step(s))["A"] == 256, "alone again, A takes the whole budget"
+    wide = make_scheduler(budget=1024)
+    for i in range(3):
+        wide.add_request(request(f"a{i}", 3000, "A", t=i))
+    step(wide)
+    wide.add_request(request("b", 40, "B", t=10))
+    assert tokens_by_tenant(step(wide)) == {"A": 128, "B": 40}, \
+        "a big budget's half would be 512 tokens: held to contended_prefill_chunk (128) while B is here"
 
 
 def test_flooding_tenants_share_by_weight() -> None:

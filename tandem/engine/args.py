@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--long-prefill-token-threshold", type=int, default=SchedulerConfig.long_prefill_token_threshold,
                    help="at most this many prompt tokens of one request per step (0: no cap)")
+    p.add_argument("--contended-prefill-chunk", type=int, default=SchedulerConfig.contended_prefill_chunk,
+                   help="while another tenant has requests in the engine, a tenant's prompt tokens per step are at "
+                        "most this (and its weight's share of the budget): a flood's steps stay short (0: the share)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -91,6 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 prefault_kv_cache=args.prefault_kv_cache,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
+                contended_prefill_chunk=args.contended_prefill_chunk,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,

@@ -240,9 +240,10 @@ class Scheduler:
     def _schedule_prompts(self, step: _Step) -> None:
         """Prompt chunks of running requests and new admissions, shared between tenants: the tenant
         with the least virtual time goes next. While other tenants have requests here (prompts, or
-        streams decoding), each takes at most its weight's share of the step's prompt budget: a
-        flood's chunks stay small enough that another tenant's next prompt, or next token, never
-        waits behind a long step. A tenant alone takes everything."""
+        streams decoding), each takes at most its weight's share of the step's prompt budget, and
+        at most contended_prefill_chunk tokens: a flood's chunks stay small enough that another
+        tenant's next prompt, or next token, never waits behind a long step. A tenant alone takes
+        everything."""
         partial: dict[str | None, deque[Request]] = {}
         weights: dict[str | None, float] = {}
         for request in self.running:
@@ -257,7 +258,9 @@ class Scheduler:
         caps = {t: budget for t in weights}
         if len(weights) > 1 and self.config.enable_chunked_prefill:
             total = sum(weights.values())
-            caps = {t: max(int(budget * w / total), self.kv.block_size) for t, w in weights.items()}
+            # The heaviest tenant's chunk is held to contended_prefill_chunk, the others' in proportion.
+            chunk = (self.config.contended_prefill_chunk or budget) / max(weights.values())
+            caps = {t: max(int(min(budget / total, chunk) * w), self.kv.block_size) for t, w in weights.items()}
         admitting = True  # a waiting head that does not fit stops admissions: nobody overtakes it for blocks
         while step.budget > 0 and active:
             tenant = min(active, key=self.waiting.vtime)
