@@ -213,3 +213,11 @@ def test_a_prompt_the_prefix_cache_holds_is_predicted_as_cached() -> None:
     assert client.uncached_tokens([*prefix, 7, 8], "t1") == 2
     assert client.uncached_tokens([*prefix, 7, 8], "t2") == 1026, "another tenant's cache is not this one's"
     assert client.uncached_tokens(prefix, "t1") == 1, "a whole cached prompt still computes its last token"
+
+
+def test_the_start_up_line_says_what_admission_does_in_each_deployment() -> None:
+    queue, slo = AdmissionSettings(), AdmissionSettings("slo")
+    assert "step times" in queue.describe(DEFAULT_SLO) and "prompt rate" in queue.describe(DEFAULT_SLO, router=True)
+    assert "TTFT 2000 ms" in slo.describe(DEFAULT_SLO)
+    assert "only the seat" in slo.describe(DEFAULT_SLO, router=True), "a router has no profile to predict deadlines"
+    assert AdmissionSettings("off").describe(DEFAULT_SLO).startswith("off")

@@ -71,10 +71,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                               tool_call_parser=args.tool_call_parser,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
-    startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)))
+    cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
+    startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
+                                                     router=cluster))
     tokenizer = load_tokenizer(args.model)
     engine = None
-    if args.prefill_workers or args.decode_workers or args.workers or args.router_bind:
+    if cluster:
         engine = disaggregated_engine(args, config, tokenizer)
         startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
                      args.decode_workers, args.workers)

@@ -56,13 +56,18 @@ class AdmissionSettings:
         """Whether the rules use the engine's step times (the server then profiles them at start-up)."""
         return self.mode != "off"
 
-    def describe(self, slo: Slo) -> str:
-        """What admission does, for the start-up log."""
+    def describe(self, slo: Slo, router: bool = False) -> str:
+        """What admission does, for the start-up log (router: a cluster's, which has no step profile)."""
         if self.mode == "queue":
+            how = ("waits predicted from the workers' measured prompt rate" if router else
+                   "waits predicted from the engine's step times")
             return (f"queue (requests wait for the engine; 429 only for one that cannot start within its own "
                     f"timeout or {self.max_queue_delay_s:g} s (--max-queue-delay), or past "
-                    f"{self.max_waiting_requests} waiting; --admission slo|off)")
+                    f"{self.max_waiting_requests} waiting; {how}; --admission slo|off)")
         if self.mode == "slo":
+            if router:
+                return ("slo, on a router: the deadline rule needs one engine's step profile, so only the seat "
+                        "and --admission-ttft-budget limits and the waiting caps apply")
             return (f"slo (429 unless a request is predicted to meet TTFT {slo.ttft_s * 1e3:.0f} ms and TPOT "
                     f"{slo.tpot_s * 1e3:.0f} ms without making another miss; --slo-ttft-ms, --slo-tpot-ms)")
         return f"off (only the caps: {self.max_waiting_requests} waiting, per-tenant limits)"
