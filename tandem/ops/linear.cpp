@@ -31,9 +31,11 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace tandem_ops {
@@ -135,6 +137,30 @@ void panel_rows_brgemm(const bf16* x, int64_t ldx, int64_t M, const bf16* tail, 
       out.row(_mm512_loadu_ps(C + r * kPanel), _mm512_loadu_ps(C + r * kPanel + 16), y + (m + r) * ldy);
   }
 }
+
+using RowsFn = void (*)(const bf16*, int64_t, const uint32_t*, int64_t, int64_t, const float*, bf16*, int64_t);
+
+// panel_rows for 1..Block rows, S chains a row (0: panel_rows' own choice for each row count).
+template <int S, size_t... I>
+constexpr std::array<RowsFn, sizeof...(I)> row_kernels(std::index_sequence<I...>) {
+  return {&panel_rows<static_cast<int>(I) + 1, S ? S : (I + 1 <= 4 ? 2 : 1)>...};
+}
+
+// Every panel (threads split them) against all M rows, Block rows at a time.
+template <int Block, int S>
+void panels_by_dot_rows(const bf16* X, int64_t lda, int64_t M, const uint32_t* W, int64_t KP, int64_t N,
+                        const float* B, bf16* Y) {
+  static constexpr auto kernels = row_kernels<S>(std::make_index_sequence<Block>{});
+  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = std::min(kPanel, N - p * kPanel);
+      const uint32_t* panel = W + p * KP * kPanel;
+      const float* b = B ? B + p * kPanel : nullptr;
+      for (int64_t m = 0; m < M; m += Block)
+        kernels[std::min<int64_t>(Block, M - m) - 1](X + m * lda, lda, panel, KP, n, b, Y + m * N + p * kPanel, N);
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -184,25 +210,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
   bf16* Y = static_cast<bf16*>(y.data_ptr());
   const int64_t lda = xr.stride(0), KP = K / 2;
   if (batch_invariant()) {
-    at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n = std::min(kPanel, N - p * kPanel);
-        const uint32_t* panel = W + p * KP * kPanel;
-        const float* b = B ? B + p * kPanel : nullptr;
-        for (int64_t m = 0; m < M; m += kInvariantRows) {
-          const bf16* xm = X + m * lda;
-          bf16* ym = Y + m * N + p * kPanel;
-          switch (std::min(kInvariantRows, M - m)) {
-            case 1: panel_rows<1, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-            case 2: panel_rows<2, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-            case 3: panel_rows<3, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-            case 4: panel_rows<4, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-            case 5: panel_rows<5, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-            default: panel_rows<6, 2>(xm, lda, panel, KP, n, b, ym, N); break;
-          }
-        }
-      }
-    });
+    panels_by_dot_rows<kInvariantRows, 2>(X, lda, M, W, KP, N, B, Y);
     return y.view(out_shape);
   }
   if (M > dot_rows()) {
@@ -219,27 +227,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& packed, con
     });
     return y.view(out_shape);
   }
-  at::parallel_for(0, num_panels(N), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = std::min(kPanel, N - p * kPanel);
-      const uint32_t* panel = W + p * KP * kPanel;
-      const float* b = B ? B + p * kPanel : nullptr;
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const bf16* xm = X + m * lda;
-        bf16* ym = Y + m * N + p * kPanel;
-        switch (std::min(kMaxRows, M - m)) {
-          case 1: panel_rows<1>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 2: panel_rows<2>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 3: panel_rows<3>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 4: panel_rows<4>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 5: panel_rows<5>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 6: panel_rows<6>(xm, lda, panel, KP, n, b, ym, N); break;
-          case 7: panel_rows<7>(xm, lda, panel, KP, n, b, ym, N); break;
-          default: panel_rows<8>(xm, lda, panel, KP, n, b, ym, N); break;
-        }
-      }
-    }
-  });
+  panels_by_dot_rows<kMaxRows, 0>(X, lda, M, W, KP, N, B, Y);
 #else
   TORCH_CHECK(false, "small_batch_linear: this build has no AVX512-BF16");
 #endif
