@@ -3,7 +3,9 @@ engine as with vLLM and llama-server, and only what cannot start in time is refu
 
 A small model of the engine runs here on simulated time: each step decodes every running sequence
 once and fills the rest of the token budget with prompt chunks, shared evenly between the tenants
-with prompts waiting (FIFO within one), and takes the profile's time for that shape. Arrivals go
+with prompts waiting (FIFO within one; while another tenant has requests in flight, a tenant takes
+at most CONTENDED tokens a step, as the scheduler's contended_prefill_chunk holds it), and takes the
+profile's time for that shape. Arrivals go
 through check_admission with the load as the server counts it, so the tests see both what
 admission predicts and when requests really start."""
 
@@ -23,6 +25,7 @@ from tandem.slo import DEFAULT_SLO
 
 # 10 ms a pass plus 0.1 ms a prompt token; a decode row 0.5 ms beyond the pass (as test_deadlines).
 SPEED = StepSpeed((1, 1001), (0.0101, 0.1101), (1, 101), (0.0105, 0.0605))
+CONTENDED = 128
 
 
 @dataclass
@@ -42,7 +45,7 @@ class FakeEngine:
     """The engine's arithmetic on a fake clock, and the server's view of it (Load)."""
 
     def __init__(self, seats: int = 128, budget: int = 1024, settings: AdmissionSettings | None = None) -> None:
-        self.shape = EngineShape(SPEED, 1.0, budget, seats)
+        self.shape = EngineShape(SPEED, 1.0, budget, seats, CONTENDED)
         self.settings = settings or AdmissionSettings()
         self.now = 0.0
         self.flights: list[Sim] = []
@@ -57,7 +60,7 @@ class FakeEngine:
         return Load(len(self.flights), len(waiting), sum(f.prompt for f in waiting), len(mine),
                     sum(f.prompt for f in mine), len({f.tenant for f in waiting} - {tenant}),
                     sorted(f.tokens_left * self.shape.step(len(self.flights), 0) for f in self.flights),
-                    Flights.of(rows))
+                    Flights.of(rows), len({f.tenant for f in self.flights} - {tenant}))
 
     def arrive(self, tenant: str, prompt: int, max_tokens: int, timeout: float | None = None) -> bool:
         load = self.load(tenant)
@@ -77,19 +80,22 @@ class FakeEngine:
         waiting = [f for f in running if f.first_at is None]
         chunks: dict[int, int] = {}
         tenants = list(dict.fromkeys(f.tenant for f in waiting))
+        contended = len({f.tenant for f in self.flights}) > 1
+        caps = dict.fromkeys(tenants, min(budget // max(len(tenants), 1), CONTENDED) if contended else budget)
         while budget > 0 and tenants:  # even shares between tenants, FIFO within each
-            share = max(budget // len(tenants), 1)
+            share = max(min(budget // len(tenants), caps[tenants[0]]), 1)
             for t in list(tenants):
                 queue = [f for f in waiting if f.tenant == t and chunks.get(id(f), 0) < f.prompt]
-                if not queue:
+                if not queue or caps[t] <= 0:
                     tenants.remove(t)
                     continue
-                left = share
+                left = min(share, caps[t])
                 for f in queue:
                     take = min(f.prompt - chunks.get(id(f), 0), left, budget)
                     chunks[id(f)] = chunks.get(id(f), 0) + take
                     left -= take
                     budget -= take
+                    caps[t] -= take
                     if not left or not budget:
                         break
         self.now += self.shape.step(len(decoding), sum(chunks.values()))
@@ -178,7 +184,7 @@ def test_a_flood_counts_against_the_flooder_and_another_tenant_goes_ahead() -> N
     while t < 40:
         t += rng.exponential(1 / 5)  # A: 5 x 3,000 tokens a second, about 4x the prompt rate
         engine.run_until(t)
-        engine.arrive("A", 3000, 16)
+        engine.arrive("A", 3000, 16, timeout=30.0)
         if rng.random() < 0.3:
             b_sent += 1
             assert engine.arrive("B", 50, 16), engine.refused[-1]
@@ -189,6 +195,8 @@ def test_a_flood_counts_against_the_flooder_and_another_tenant_goes_ahead() -> N
     b = [f.first_at - f.arrival for f in engine.finished if f.tenant == "B"]
     a = [f.first_at - f.arrival for f in engine.finished if f.tenant == "A"]
     assert len(b) == b_sent and max(b) < 1.0 < np.median(a), (max(b), np.median(a))
+    late = [f.done_at - f.arrival for f in engine.finished if f.tenant == "A" and f.done_at - f.arrival > 30.0]
+    assert not late, f"A's admitted requests ran past their 30 s timeout: {late} (its prompts drain at 128 a step)"
 
 
 def test_slo_and_off_keep_their_rules() -> None:
@@ -221,3 +229,23 @@ def test_the_start_up_line_says_what_admission_does_in_each_deployment() -> None
     assert "TTFT 2000 ms" in slo.describe(DEFAULT_SLO)
     assert "only the seat" in slo.describe(DEFAULT_SLO, router=True), "a router has no profile to predict deadlines"
     assert AdmissionSettings("off").describe(DEFAULT_SLO).startswith("off")
+
+
+def test_a_tenant_beside_another_is_predicted_at_its_contended_chunk() -> None:
+    """While B streams, the scheduler gives A's prompts at most 128 tokens a step, not the budget:
+    A's wait is predicted at that rate, so what it admits of A's 3,000-token prompts with a 30 s
+    timeout all start and finish in time (predicted at the full budget, most would not)."""
+    engine = FakeEngine()
+    assert engine.arrive("B", 20, 100_000)  # a long stream: B is in flight throughout
+    rng = np.random.default_rng(2)
+    t = 0.0
+    while t < 30:
+        t += rng.exponential(1 / 2)
+        engine.run_until(t)
+        engine.arrive("A", 3000, 8, timeout=30.0)
+    while any(f.tenant == "A" for f in engine.flights):
+        engine.step()
+    done = [f for f in engine.finished if f.tenant == "A"]
+    assert done and any(tenant == "A" for tenant, _ in engine.refused)
+    late = [round(f.done_at - f.arrival, 1) for f in done if f.done_at - f.arrival > 30.0]
+    assert not late, f"{len(late)} of {len(done)} admitted ran past their timeout: {late}"

@@ -80,6 +80,7 @@ class CoreInfo:
     kv_bytes_per_token: int = 0
     weight_formats: tuple[str, ...] = ()  # the linear methods in use (model/linear.py), e.g. gguf-Q4_1
     speed: StepSpeed | None = None  # its step times, when it was profiled (serving engines are)
+    contended_prefill_chunk: int = 0  # SchedulerConfig's: a tenant's prompt tokens a step beside others
 
 
 def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
@@ -94,7 +95,8 @@ def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
                     cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,
                     weight_bytes(loaded.model), per_token, weight_formats(loaded.model),
-                    core.speed.speed if core.speed is not None else None)
+                    core.speed.speed if core.speed is not None else None,
+                    core.config.scheduler.contended_prefill_chunk)
 
 
 def core_stats(core: EngineCore) -> CoreStats:

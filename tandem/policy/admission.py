@@ -86,6 +86,7 @@ class Load:
     # When each sequence in flight will likely free its seat, soonest first (tokens left x token gap).
     seat_free_s: list[float] = field(default_factory=list)
     flights: Flights | None = None  # each request in flight, for the deadline prediction
+    other_tenants_active: int = 0  # tenants other than the caller's with requests in flight (waiting or decoding)
 
     @property
     def ahead_tokens(self) -> int:
@@ -170,7 +171,8 @@ def predict_wait(seats: int, load: Load, num_seqs: int, prompt_tokens: int, toke
     engine has one (deadlines.predict_ttft), else the seat it waits for and the prompt work ahead of
     it and its own at the measured prompt rate."""
     if engine is not None and load.flights is not None:
-        ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens)
+        ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens,
+                            contended=load.other_tenants_active > 0)
         return Wait(ttft, engine.step(min(load.in_flight + num_seqs, engine.seats), 0))
     over = load.in_flight + num_seqs - seats
     seat_wait = 0.0

@@ -59,6 +59,8 @@ class EngineShape:
     factor: float  # the live correction (CoreStats.speed_factor)
     budget: int  # max_num_batched_tokens
     seats: int  # max_num_seqs
+    # A tenant's prompt tokens a step while another tenant has requests in flight (0: its share only).
+    contended_chunk: int = 0
 
     def step(self, decode_rows: float, prompt_tokens: float) -> float:
         return self.speed.step_s(decode_rows, prompt_tokens) * self.factor
@@ -111,9 +113,11 @@ def seat_wait(engine: EngineShape, flights: Flights, num_seqs: int, chunk: float
     return max(heapq.heappop(free) + offset for _ in range(num_seqs))
 
 
-def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, ahead_tokens: int
-                 ) -> float:
-    """Half the step in flight, a seat, the prompt work ahead and its own prompt."""
+def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, ahead_tokens: int,
+                 contended: bool = False) -> float:
+    """Half the step in flight, a seat, the prompt work ahead and its own prompt. contended: another
+    tenant has requests in flight, so this tenant's prompt work drains at most engine.contended_chunk
+    tokens a step (the scheduler's cap; the rest of a step is the others')."""
     waiting = flights.prompt_tokens > 0
     decoding = (~waiting) & (flights.tokens_left > 0)
     d0 = float(flights.num_seqs[decoding].sum())
@@ -121,12 +125,14 @@ def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_to
     mid = min(d0 + float(flights.num_seqs[waiting].sum()) / 2, engine.seats)
     chunk = max(engine.budget - mid, MIN_CHUNK)
     work = min(ahead_tokens, queued) + prompt_tokens
-    drain = engine.step(mid, work) if work <= chunk else work / chunk * engine.step(mid, chunk)
+    own = min(chunk, engine.contended_chunk) if contended and engine.contended_chunk else chunk
+    # A step takes the whole chunk (the other tenants' share too) but this tenant's work moves by `own`.
+    drain = engine.step(mid, work) if work <= own else work / own * engine.step(mid, chunk)
     in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
     wait = seat_wait(engine, flights, num_seqs, chunk, engine.step(mid, chunk))
     # A seat frees after the prompts ahead are computed: its own prompt follows the later of the two.
-    ahead_s = drain - (engine.step(mid, prompt_tokens) if prompt_tokens <= chunk else
-                       prompt_tokens / chunk * engine.step(mid, chunk))
+    ahead_s = drain - (engine.step(mid, prompt_tokens) if prompt_tokens <= own else
+                       prompt_tokens / own * engine.step(mid, chunk))
     return in_flight_step + max(wait, ahead_s) + (drain - ahead_s)
 
 

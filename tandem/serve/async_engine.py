@@ -155,7 +155,8 @@ class EngineClient:
         if self.info is None or self.info.speed is None:
             return None
         factor = self.stats.speed_factor if self.stats is not None else 1.0
-        return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs)
+        return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs,
+                           self.info.contended_prefill_chunk)
 
     def _block_keys(self, prompt_ids: list[int], salt: str | None) -> list[int]:
         info = self.info
@@ -191,6 +192,7 @@ class EngineClient:
         """What admission control weighs a new request against."""
         in_flight = waiting = queued = tenant_waiting = tenant_queued = 0
         others: set[str | None] = set()
+        active: set[str | None] = set()
         frees: list[float] = []
         rows: list[tuple[int, int, int, int, float]] = []
         now = time.monotonic()
@@ -199,6 +201,8 @@ class EngineClient:
                          now - s.first_at if s.first_output else 0.0))
             in_flight += s.num_seqs
             frees += [s.tokens_left * self.token_gap_s] * s.num_seqs
+            if s.tenant != tenant:
+                active.add(s.tenant)
             if not s.first_output:
                 waiting += 1
                 queued += s.prompt_tokens
@@ -208,7 +212,7 @@ class EngineClient:
                 else:
                     others.add(s.tenant)
         return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees),
-                    Flights.of(rows))
+                    Flights.of(rows), len(active))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
