@@ -74,6 +74,17 @@ def test_predictions_expire_and_events_override_them() -> None:
     assert index.overlap("a", PROMPT) == 2
 
 
+def test_expired_predictions_nobody_looks_up_are_swept() -> None:
+    """A server sees a stream of unique prompts: their predicted keys must not pile up forever."""
+    clock = Clock()
+    index = PrefixIndex(predict_ttl_s=10, clock=clock)
+    for i in range(200):
+        clock.now = i  # a prompt of 100 fresh blocks a second; each lives 10 s
+        index.predict("a", range(i * 100, i * 100 + 100))
+    assert index.num_keys("a") <= 2 * 4096 + 100, index.num_keys("a")
+    assert index.overlap("a", range(199 * 100, 199 * 100 + 100)) == 100, "the live ones stay"
+
+
 def test_a_forgotten_worker_attracts_nothing() -> None:
     index = PrefixIndex()
     index.apply("a", [BlockStored(PROMPT, None, None)])
