@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tandem.kv.block_pool import BlockEvent, BlockRemoved, BlockStored
 
-
 PRUNE_MIN = 4096  # predicted keys a worker may have before expired ones are swept
 
 
