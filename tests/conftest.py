@@ -41,21 +41,36 @@ def default_model_path() -> Path:
     return default_model_path()
 
 
+MAX_CACHED_ENGINES = 6  # each holds its weights and a committed pool: ~30 distinct ones outgrew 24 GiB
+
+
 @pytest.fixture(scope="session")
 def make_llm() -> Callable[..., object]:
-    """Build an LLM whose pool is checked after every test (engines are cached by options)."""
+    """Build an LLM whose pool is checked after every test. Engines are cached by options, the most
+    recently used few: an evicted one is checked clean and dropped (a module fixture that still holds
+    it keeps it alive until the module ends)."""
+    import gc
+
     from tandem import LLM
 
     cache: dict[tuple, LLM] = {}
 
     def make(**options: object) -> LLM:
         if "num_blocks" not in options:
-            # The pools are committed at start-up and these engines live for the whole session.
+            # The pools are committed at start-up.
             options.setdefault("kv_cache_memory", 0.5)
         key = tuple(sorted(options.items()))
-        if key not in cache:
-            cache[key] = LLM(**options)
-            _engines.append(cache[key].engine)
+        if key in cache:
+            cache[key] = cache.pop(key)  # most recently used last
+            return cache[key]
+        if len(cache) >= MAX_CACHED_ENGINES:
+            oldest = cache.pop(next(iter(cache)))
+            assert_pool_clean(oldest.engine)
+            _engines.remove(oldest.engine)
+            del oldest
+            gc.collect()
+        cache[key] = LLM(**options)
+        _engines.append(cache[key].engine)
         return cache[key]
 
     return make
