@@ -80,7 +80,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         limit = SMALL_BATCH_ROWS
-        if self.panels is not None and (self.packed_weight is None or limit is None or rows.shape[0] <= limit):
+        # Batch-invariant kernels (the default): the panels at any row count, one order of sums a row.
+        if self.panels is not None and (self.packed_weight is None or limit is None or rows.shape[0] <= limit
+                                        or extension.batch_invariant()):
             out = torch.ops.tandem.small_batch_linear(rows, self.panels, self.bias, self.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")

@@ -186,6 +186,11 @@ def set_batch_invariant(on: bool) -> None:
         _batch_invariant = on
 
 
+def batch_invariant() -> bool:
+    """Whether the kernels run batch-invariant in this process (as last set; on until an engine says)."""
+    return _batch_invariant is not False
+
+
 def extension_error() -> str | None:
     """Why the extension failed to build or load in this process, if it did."""
     return _build_failed

@@ -22,6 +22,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "batch_invariant.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -89,9 +91,9 @@ struct LinearW {
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case kPanels:
-        return x.size(0) <= max_rows || !wide ? small_batch_linear(x, weight, bias, out_features)
-                                              : onednn_linear(x, *wide, bias);
+      case kPanels:  // batch-invariant: the panels at any row count (oneDNN sums in another order)
+        return x.size(0) <= max_rows || !wide || batch_invariant() ? small_batch_linear(x, weight, bias, out_features)
+                                                                   : onednn_linear(x, *wide, bias);
       case kGguf:
       case kGgufQ8: {
         static const auto f = gguf_op(false), q8 = gguf_op(true);
