@@ -93,6 +93,9 @@ def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_wo
         (tmp_path / f"{role}.json").write_text(json.dumps(profile.to_json()))
     args = (*ARGS, "--planner", "on", "--slo-ttft-ms", "100000", "--slo-tpot-ms", "30", "--planner-interval", "1",
             "--planner-dwell", "600", "--path-policy", "disaggregated",
+            # Decisions are spaced by the simulator's CPU time over this share; one slow simulation on a
+            # busy CI machine spaced the next past the test's 240 s (the share is not what is tested).
+            "--planner-cpu-share", "1.0",
             *(f for role in profiles for f in ("--planner-profile", f"{role}={tmp_path / role}.json")))
     texts = [f"{p[:160]} In short," for p in passages[:5]]
     greedy = SamplingParams(temperature=0, max_tokens=6)
