@@ -169,10 +169,10 @@ class EngineClient:
         best worker's, from its KV events)."""
         return self.sent_blocks.overlap(LOCAL, keys)
 
-    def uncached_tokens(self, prompt_ids: list[int], salt: str | None) -> int:
+    def uncached_tokens(self, prompt_ids: list[int], salt: str | None, keys: list[int] | None = None) -> int:
         """The prompt's tokens the engine would compute: its blocks likely in the prefix cache are not
-        work (the last token is always computed)."""
-        keys = self._block_keys(prompt_ids, salt)
+        work (the last token is always computed). keys: its block keys, when the caller has them."""
+        keys = self._block_keys(prompt_ids, salt) if keys is None else keys
         cached = self.cached_blocks(keys) * self.info.block_size if keys and self.info is not None else 0
         return max(len(prompt_ids) - cached, 1)
 
@@ -231,7 +231,7 @@ class EngineClient:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
         keys = self._block_keys(prompt_ids, cache_salt)
-        work = self.uncached_tokens(prompt_ids, cache_salt)
+        work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
         self.sent_blocks.predict(LOCAL, keys)
         stream = _Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
                          tokens_left=min(params.max_tokens or limit, limit), requests=requests,
