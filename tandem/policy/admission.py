@@ -88,6 +88,12 @@ class Load:
     flights: Flights | None = None  # each request in flight, for the deadline prediction
     other_tenants_active: int = 0  # tenants other than the caller's with requests in flight (waiting or decoding)
 
+    def seat_wait(self, over: int) -> float:
+        """How long until `over` more sequences than the seats have one (0: none wait; inf: never)."""
+        if over <= 0:
+            return 0.0
+        return self.seat_free_s[over - 1] if over <= len(self.seat_free_s) else math.inf
+
     @property
     def ahead_tokens(self) -> int:
         """The prompt work the scheduler runs before a new request of this tenant: its own queue,
@@ -174,10 +180,7 @@ def predict_wait(seats: int, load: Load, num_seqs: int, prompt_tokens: int, toke
         ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens,
                             contended=load.other_tenants_active > 0)
         return Wait(ttft, engine.step(min(load.in_flight + num_seqs, engine.seats), 0))
-    over = load.in_flight + num_seqs - seats
-    seat_wait = 0.0
-    if over > 0:
-        seat_wait = load.seat_free_s[over - 1] if over <= len(load.seat_free_s) else math.inf
+    seat_wait = load.seat_wait(load.in_flight + num_seqs - seats)
     return Wait(seat_wait + (load.ahead_tokens + prompt_tokens) / max(tokens_per_s, 1.0), None)
 
 
@@ -218,7 +221,7 @@ def _check_slo(settings: AdmissionSettings, seats: int, load: Load, num_seqs: in
         return Rejection(f"the engine is serving at capacity ({seats} concurrent sequences); retry later", retry)
     if over > 0 and settings.ttft_budget_s is not None:
         # With a TTFT budget, waiting for a seat is fine if one frees up in time.
-        seat_wait = load.seat_free_s[over - 1] if over <= len(load.seat_free_s) else math.inf
+        seat_wait = load.seat_wait(over)
         if seat_wait + wait_s > settings.ttft_budget_s:
             return Rejection(f"no sequence slot frees up within the TTFT budget ({settings.ttft_budget_s:.1f} s; "
                              f"{seats} concurrent sequences); retry later", max(retry, math.ceil(seat_wait)))
