@@ -16,7 +16,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +37,18 @@ from tandem.engine.messages import (
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.engine.request import Request
 from tandem.engine.worker_view import host_name, process_cores, worker_entry
-from tandem.kv.hashing import block_keys
 from tandem.outputs import RequestOutput
-from tandem.policy.admission import Load, PromptRate, predict_wait
-from tandem.policy.deadlines import Calibration, EngineShape, Flights
+from tandem.policy.admission import PromptRate
+from tandem.policy.deadlines import Calibration
 from tandem.policy.prefix_index import PrefixIndex
 from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
 from tandem.serve.core_proc import run_engine_core
+from tandem.serve.engine_load import LOCAL, PREFIX_TTL_S, EngineLoad, Stream
 from tandem.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-LOCAL = "local"  # the one engine's name in the prefix index
-PREFIX_TTL_S = 300.0  # how long a prompt block sent counts as cached (evictions make this optimistic)
 
 
 class EngineDeadError(RuntimeError):
@@ -62,24 +59,7 @@ class EngineRequestError(RuntimeError):
     """The engine failed while running this request (a 500, not the client's fault)."""
 
 
-@dataclass
-class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    first_output: bool = False
-    consuming: bool = False  # someone iterates; if nobody ever does, the entry goes when it finishes
-    tenant: str | None = None
-    prompt_tokens: int = 0
-    num_seqs: int = 1
-    tokens_left: int = 0  # of its longest sample, at most: when its seat frees up
-    last_output: float = 0.0
-    tokens_done: int = 0  # streamed so far (of its longest sample)
-    first_at: float = 0.0  # when its first token came
-    created: float = 0.0
-    predicted_ttft_s: float = 0.0  # the deadline rule's prediction when it was enqueued (0: none)
-    requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
-
-
-class EngineClient:
+class EngineClient(EngineLoad):
     """What the HTTP layer needs from an engine: validate and enqueue, stream outputs per request,
     abort, report health and stats. AsyncEngine drives one local core; the disaggregated router
     (tandem.disagg.router) drives a cluster of workers behind the same interface."""
@@ -90,7 +70,7 @@ class EngineClient:
         self.stats: CoreStats | None = None
         self.inputs: InputProcessor | None = None
         self.outputs = OutputProcessor(tokenizer)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
         self.dead: str | None = None
         self.listeners: list = []  # callables(RequestOutput) for metrics
         self.prompt_rate = PromptRate()
@@ -149,71 +129,12 @@ class EngineClient:
         """Sequences the engine runs at once (its max_num_seqs; a cluster's, summed over decode workers)."""
         return self.info.max_num_seqs if self.info is not None else 1
 
-    def shape(self) -> EngineShape | None:
-        """The engine's measured step times and limits, for deadline predictions (None: not profiled,
-        as a cluster's router is not: its workers differ and its path choice predicts per worker)."""
-        if self.info is None or self.info.speed is None:
-            return None
-        factor = self.stats.speed_factor if self.stats is not None else 1.0
-        return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs,
-                           self.info.contended_prefill_chunk)
-
-    def _block_keys(self, prompt_ids: list[int], salt: str | None) -> list[int]:
-        info = self.info
-        if info is None:
-            return []
-        return block_keys(prompt_ids, info.block_size, info.hash_algo, info.block_key_extra, salt)
-
-    def cached_blocks(self, keys: list[int]) -> int:
-        """Of a prompt's full blocks, how many from the first the engine likely caches (a cluster: the
-        best worker's, from its KV events)."""
-        return self.sent_blocks.overlap(LOCAL, keys)
-
-    def uncached_tokens(self, prompt_ids: list[int], salt: str | None, keys: list[int] | None = None) -> int:
-        """The prompt's tokens the engine would compute: its blocks likely in the prefix cache are not
-        work (the last token is always computed). keys: its block keys, when the caller has them."""
-        keys = self._block_keys(prompt_ids, salt) if keys is None else keys
-        cached = self.cached_blocks(keys) * self.info.block_size if keys and self.info is not None else 0
-        return max(len(prompt_ids) - cached, 1)
-
-    def _predicted_ttft(self, tenant: str | None, prompt_tokens: int, num_seqs: int) -> float:
-        """What admission predicts for a request enqueued now, before calibration, so that its first
-        token can correct the next predictions."""
-        return predict_wait(self.capacity(), self.load(tenant), num_seqs, prompt_tokens, self.prompt_rate.rate,
-                            self.shape()).ttft_s
-
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
         if stats is not None:
             self.prompt_rate.observe(stats.prompt_busy_s, stats.num_computed_prompt_tokens)
 
     # -- requests -----------------------------------------------------------------------------
-    def load(self, tenant: str | None) -> Load:
-        """What admission control weighs a new request against."""
-        in_flight = waiting = queued = tenant_waiting = tenant_queued = 0
-        others: set[str | None] = set()
-        active: set[str | None] = set()
-        frees: list[float] = []
-        rows: list[tuple[int, int, int, int, float]] = []
-        now = time.monotonic()
-        for s in self.streams.values():
-            rows.append((s.num_seqs, 0 if s.first_output else s.prompt_tokens, s.tokens_left, s.tokens_done,
-                         now - s.first_at if s.first_output else 0.0))
-            in_flight += s.num_seqs
-            frees += [s.tokens_left * self.token_gap_s] * s.num_seqs
-            if s.tenant != tenant:
-                active.add(s.tenant)
-            if not s.first_output:
-                waiting += 1
-                queued += s.prompt_tokens
-                if s.tenant == tenant:
-                    tenant_waiting += 1
-                    tenant_queued += s.prompt_tokens
-                else:
-                    others.add(s.tenant)
-        return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees),
-                    Flights.of(rows), len(active))
-
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
                  tenant: str | None = None, tenant_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
@@ -233,7 +154,7 @@ class EngineClient:
         keys = self._block_keys(prompt_ids, cache_salt)
         work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
         self.sent_blocks.predict(LOCAL, keys)
-        stream = _Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
+        stream = Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
                          tokens_left=min(params.max_tokens or limit, limit), requests=requests,
                          created=time.monotonic(), predicted_ttft_s=self._predicted_ttft(tenant, work, len(requests)))
         self.streams[rid] = stream
@@ -241,7 +162,7 @@ class EngineClient:
         self._submit(requests)
         return self._consume(rid, stream)
 
-    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _consume(self, rid: str, stream: Stream) -> AsyncIterator[RequestOutput]:
         stream.consuming = True
         finished = False
         try:
