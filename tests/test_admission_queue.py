@@ -225,9 +225,9 @@ def test_a_prompt_the_prefix_cache_holds_is_predicted_as_cached() -> None:
 
 def test_the_start_up_line_says_what_admission_does_in_each_deployment() -> None:
     queue, slo = AdmissionSettings(), AdmissionSettings("slo")
-    assert "step times" in queue.describe(DEFAULT_SLO) and "prompt rate" in queue.describe(DEFAULT_SLO, router=True)
-    assert "TTFT 2000 ms" in slo.describe(DEFAULT_SLO)
-    assert "only the seat" in slo.describe(DEFAULT_SLO, router=True), "a router has no profile to predict deadlines"
+    assert "step times" in queue.describe(DEFAULT_SLO) and "measured rates" in queue.describe(DEFAULT_SLO, router=True)
+    assert "TTFT 2000 ms" in slo.describe(DEFAULT_SLO) and "step times" in slo.describe(DEFAULT_SLO)
+    assert "measured rates" in slo.describe(DEFAULT_SLO, router=True), "a router predicts from its workers' rates"
     assert AdmissionSettings("off").describe(DEFAULT_SLO).startswith("off")
 
 

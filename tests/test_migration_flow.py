@@ -24,7 +24,6 @@ from tandem.disagg.messages import (
     Resume,
     WorkerInfo,
 )
-from tandem.disagg.paths import Slo
 from tandem.disagg.registry import WorkerHandle, WorkerRegistry
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
@@ -32,6 +31,7 @@ from tandem.disagg.transport import KVEndpoint, TransferHandle, TransferResult
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.messages import AbortRequests
 from tandem.engine.request import Request
+from tandem.policy.paths import Slo
 from tandem.sampling_params import SamplingParams
 
 OUTPUT = [11, 12, 13]

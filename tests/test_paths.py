@@ -5,17 +5,21 @@ and the learned bias corrects a path that measures slower than predicted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tandem.disagg.dispatch import Dispatcher
 from tandem.disagg.flight import Flight
-from tandem.disagg.latency import PRIOR_PREFILL_TOK_S, WorkerRates
 from tandem.disagg.messages import WorkerInfo, WorkerStats
-from tandem.disagg.paths import Slo
 from tandem.disagg.registry import WorkerRegistry
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.transport import TransferStats
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.request import Request
+from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission
+from tandem.policy.deadlines import Flights, predict_ttft
+from tandem.policy.latency import PRIOR_PREFILL_TOK_S, WorkerRates
+from tandem.policy.paths import Slo
 from tandem.sampling_params import SamplingParams
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)
@@ -157,3 +161,30 @@ def test_the_registry_reports_feed_the_speeds() -> None:
     c.registry.report(w, stats(prompt_tokens=500, prompt_s=0.5, steps=10, decode_s=0.3))
     speed = c.registry.speed(w)
     assert speed.prefill_tok_s == 1000 and abs(speed.step_s - 0.03) < 1e-12
+
+
+def test_admission_on_a_router_predicts_with_the_fleet_as_one_engine() -> None:
+    """The router's admission runs the single server's predictor (deadlines.predict_ttft), on the fleet
+    as one engine built from the same measured speeds the path choice uses: two workers drain a
+    queue twice as fast as one, and a request that cannot start within its timeout is refused."""
+    one, two = Cluster("colocated"), Cluster("colocated", "colocated")
+    for c in (one, two):
+        for wid, w in c.workers.items():
+            w.info = replace(w.info, core=replace(w.info.core, max_num_seqs=16))  # seats to spare
+            c.speed(wid, 2000, 0.05)
+    shapes = [c.registry.shape(budget=512, contended_chunk=128) for c in (one, two)]
+    assert all(s is not None for s in shapes)
+    queue = Flights.of([(1, 8000, 64, 0, 0.0)])  # 8,000 prompt tokens waiting ahead
+    waits = [predict_ttft(s, queue, 1, 1000, 8000) for s in shapes]  # type: ignore[arg-type]
+    assert 9000 / 2000 <= waits[0] <= 1.3 * 9000 / 2000, waits  # the queue and its own prompt at 2,000 tok/s
+    assert 0.45 <= waits[1] / waits[0] <= 0.6, waits
+    load = Load(in_flight=1, waiting=1, queued_tokens=8000, tenant_waiting=1, tenant_queued_tokens=8000,
+                flights=queue)
+    deadlines = Deadlines(shapes[1], SLO, 64)
+
+    def check(timeout_s: float) -> object:
+        return check_admission(AdmissionSettings(), 32, load, 1, 1, 1000, 2000.0, timeout_s, deadlines)
+
+    refused = check(1.0)
+    assert refused is not None and "cannot start within its timeout" in refused.message
+    assert check(30.0) is None

@@ -45,7 +45,6 @@ from tandem.disagg.messages import (
     Resume,
     TransferFailed,
 )
-from tandem.disagg.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.disagg.routing import Pick, Router
 from tandem.disagg.settings import RouterCounters, RouterSettings
@@ -54,6 +53,7 @@ from tandem.engine.core import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.messages import AbortRequests, AddRequests
 from tandem.kv.hashing import block_keys
+from tandem.policy.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.serve.async_engine import EngineDeadError
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.disagg.latency import Speed, WorkerRates, fleet_speed
 from tandem.disagg.messages import WorkerInfo, WorkerStats
 from tandem.engine.core_report import CoreStats, sum_stats
+from tandem.policy.deadlines import EngineShape
+from tandem.policy.latency import Speed, WorkerRates, fleet_shape, fleet_speed
 from tandem.policy.prefix_index import PrefixIndex
 
 # Roles whose engine can prefill for another worker, and those that hold a pool KV lands in.
@@ -97,6 +98,19 @@ class WorkerRegistry:
 
     def speed(self, worker: WorkerHandle) -> Speed:
         return fleet_speed(worker.rates, (w.rates for w in self.live()))
+
+    def serving(self) -> list[WorkerHandle]:
+        """The live workers that stream tokens: the decode workers (every live worker without)."""
+        return self.live("decode") or self.live()
+
+    def shape(self, budget: int, contended_chunk: int) -> EngineShape | None:
+        """The fleet as one engine for admission (latency.fleet_shape): prompts on the workers that are
+        not decode workers (all of them without), tokens streamed by the serving ones."""
+        live = self.live()
+        prompt = [w for w in live if w.role != "decode"] or live
+        serving = self.serving()
+        return fleet_shape([self.speed(w) for w in prompt], [self.speed(w) for w in serving], budget,
+                           sum(w.info.core.max_num_seqs for w in serving), contended_chunk)
 
     def combined_stats(self) -> CoreStats | None:
         """The deployment's engine stats: the sum over the live workers that have reported."""

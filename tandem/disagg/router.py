@@ -47,6 +47,7 @@ from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutpu
 from tandem.engine.request import Request
 from tandem.engine.worker_view import host_name, worker_entry
 from tandem.logs import startup
+from tandem.policy.deadlines import EngineShape
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
 
 log = logging.getLogger(__name__)
@@ -198,8 +199,12 @@ class DisaggEngine(EngineClient):
 
     def capacity(self) -> int:
         """Sequences the deployment runs at once: its decode workers' (every live worker's without)."""
-        serving = self.registry.live("decode") or self.registry.live()
-        return sum(w.info.core.max_num_seqs for w in serving) or 1
+        return sum(w.info.core.max_num_seqs for w in self.registry.serving()) or 1
+
+    def shape(self) -> EngineShape | None:
+        """The fleet as one engine, from its workers' measured rates: admission predicts as for one engine."""
+        chunk = self.info.contended_prefill_chunk if self.info is not None else 0
+        return self.registry.shape(self.step_budget, chunk)
 
     def health(self) -> dict[str, Any]:
         """ok, degraded (a role has no live worker: requests still run, colocated) or unhealthy."""

@@ -17,8 +17,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.disagg.paths import PATH_POLICIES, Slo
 from tandem.disagg.registry import WorkerHandle
+from tandem.policy.paths import PATH_POLICIES, Slo
 from tandem.policy.prefix_index import PrefixIndex
 
 POLICIES = ("kv", "least-loaded", "round-robin")

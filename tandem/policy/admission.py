@@ -10,8 +10,9 @@ Three modes (`--admission`), one set of rules for the single server and a cluste
   slo refuses what is predicted to miss the TTFT and TPOT SLOs, or to make a request in flight miss
       its TPOT SLO (deadlines.py), beside the seat and TTFT-budget rules below;
   off applies only the caps (waiting requests, per tenant).
-The wait is predicted from the engine's measured step times when it has them (deadlines.py, with
-the calibration from admitted requests' first tokens), else from its measured prompt throughput.
+The wait is predicted from the engine's measured step times (deadlines.py, with the calibration from
+admitted requests' first tokens): a single server's start-up profile, or a cluster's workers' measured
+rates as one engine (latency.py fleet_shape); before either exists, from the measured prompt throughput.
 Prompt tokens the prefix cache holds are not counted as work (the caller passes uncached tokens).
 
 Fairness: the scheduler shares prompt compute between tenants, so a request waits behind its own
@@ -57,19 +58,19 @@ class AdmissionSettings:
         return self.mode != "off"
 
     def describe(self, slo: Slo, router: bool = False) -> str:
-        """What admission does, for the start-up log (router: a cluster's, which has no step profile)."""
+        """What admission does, for the start-up log (router: a cluster's, which predicts from its workers'
+        measured rates as one engine, policy/latency.py fleet_shape, not from a step profile)."""
         if self.mode == "queue":
-            how = ("waits predicted from the workers' measured prompt rate" if router else
+            how = ("waits predicted from the workers' measured rates, the fleet as one engine" if router else
                    "waits predicted from the engine's step times")
             return (f"queue (requests wait for the engine; 429 only for one that cannot start within its own "
                     f"timeout or {self.max_queue_delay_s:g} s (--max-queue-delay), or past "
                     f"{self.max_waiting_requests} waiting; {how}; --admission slo|off)")
         if self.mode == "slo":
-            if router:
-                return ("slo, on a router: the deadline rule needs one engine's step profile, so only the seat "
-                        "and --admission-ttft-budget limits and the waiting caps apply")
+            source = "the workers' measured rates" if router else "the engine's step times"
             return (f"slo (429 unless a request is predicted to meet TTFT {slo.ttft_s * 1e3:.0f} ms and TPOT "
-                    f"{slo.tpot_s * 1e3:.0f} ms without making another miss; --slo-ttft-ms, --slo-tpot-ms)")
+                    f"{slo.tpot_s * 1e3:.0f} ms without making another miss, from {source}; --slo-ttft-ms, "
+                    f"--slo-tpot-ms)")
         return f"off (only the caps: {self.max_waiting_requests} waiting, per-tenant limits)"
 
 
@@ -130,7 +131,7 @@ class Deadlines:
     """What the predictions need beyond the load: the engine's speed and shape, the SLOs, and the
     call's longest output (max_tokens_given: whether the request named it, or it is the context's)."""
 
-    engine: EngineShape | None  # None: not profiled (a cluster's router): predicted from the prompt rate
+    engine: EngineShape | None  # None: nothing measured yet: predicted from the prompt rate
     slo: Slo
     max_tokens: int
     ttft_bias: float = 1.0  # admitted first tokens against their predictions (deadlines.Calibration)
@@ -143,9 +144,8 @@ def check_admission(settings: AdmissionSettings, seats: int, load: Load, num_req
     """None to admit, or why not and when to retry. A call may hold several prompts (num_requests),
     each sampled n times (num_seqs in all); prompt_tokens counts every prompt of the call that the
     prefix cache does not hold (0 before they are tokenized: the server checks once before
-    tokenizing, so a refusal costs next to nothing, and once after). deadlines: None (an engine that
-    deadlines.engine None: an engine that has not measured its step times, as a cluster's router)
-    predicts from the prompt throughput alone."""
+    tokenizing, so a refusal costs next to nothing, and once after). deadlines None, or its engine None
+    (nothing measured yet): predicted from the prompt throughput alone."""
     retry = max(1, math.ceil(load.queued_tokens / max(tokens_per_s, 1.0)))
     if load.waiting + num_requests > settings.max_waiting_requests:
         return Rejection(f"too many requests are waiting ({load.waiting}, at most {settings.max_waiting_requests}); "

@@ -2,7 +2,8 @@
 and TPOT SLOs without making a request already admitted miss one it would have met.
 
 The prediction is the scheduler's own arithmetic over the engine's measured step times
-(engine/speed.py: a start-up profile times a live factor). Each step decodes every running sequence
+(engine/speed.py: a start-up profile times a live factor; a cluster's router: its workers' measured
+rates as one engine, latency.py fleet_shape). Each step decodes every running sequence
 once and fills the rest of the token budget with prompt chunks in arrival order; so
   - prompt work drains at (budget - decoding sequences) tokens per step, each step as long as
     `step_s(decoding, chunk)`; while the waiting requests drain they join the decode batch (counted
@@ -26,10 +27,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from tandem.engine.speed import StepSpeed
 from tandem.slo import Slo
 
 MIN_CHUNK = 16  # prompt tokens a step takes even with a full decode batch (the scheduler's floor)
@@ -53,9 +54,16 @@ class Flights:
         return cls(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4])
 
 
+class StepModel(Protocol):
+    """Seconds of one step: an engine's start-up profile (engine/speed.py StepSpeed), or a cluster's
+    workers' measured rates (latency.py RateSteps)."""
+
+    def step_s(self, decode_rows: float, prompt_tokens: float) -> float: ...
+
+
 @dataclass(frozen=True)
 class EngineShape:
-    speed: StepSpeed
+    speed: StepModel
     factor: float  # the live correction (CoreStats.speed_factor)
     budget: int  # max_num_batched_tokens
     seats: int  # max_num_seqs

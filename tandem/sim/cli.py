@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from tandem.disagg.paths import PATH_POLICIES
 from tandem.disagg.routing import POLICIES
+from tandem.policy.paths import PATH_POLICIES
 from tandem.sim.cost import RooflineCost, save_profile
 from tandem.sim.hardware import GPUS, LINKS, gpu
 from tandem.sim.model_shape import PRESETS, model_shape

@@ -1,4 +1,4 @@
-"""The router's per-request path choice, simulated: the same predictions and rule (disagg/paths.py),
+"""The router's per-request path choice, simulated: the same predictions and rule (policy/paths.py),
 fed with what a simulated instance's cost model and scheduler say instead of a live worker's reports.
 
 Where the live router learns a prefill rate and a decode step from a worker's stats, the simulator
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.disagg.latency import Speed
-from tandem.disagg.paths import PathOption, choose, predict_disaggregated, predict_local
+from tandem.policy.latency import Speed
+from tandem.policy.paths import PathOption, choose, predict_disaggregated, predict_local
 from tandem.sim.cost import StepShape
 from tandem.sim.instance import SimInstance
 from tandem.slo import Slo

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.disagg.latency import Speed
+from tandem.policy.latency import Speed
 from tandem.slo import Slo
 
 PATH_POLICIES = ("slo", "disaggregated")

@@ -1,5 +1,7 @@
 """What a worker's reports say about its speed: how fast it prefills, how long its decode steps take,
 how much of a KV transfer shows on its critical path, and how much prompt work is queued there.
+The path choice (paths.py) predicts from one worker's; admission (deadlines.py, through fleet_shape)
+from the fleet's, as one engine.
 
 Measured from the differences between successive stats reports (so a worker's early history fades),
 smoothed with an exponential moving average. Until a worker has measured something, the mean of the
@@ -10,12 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from tandem.disagg.messages import WorkerStats
+from tandem.engine.core_report import CoreStats
+from tandem.policy.deadlines import EngineShape
 
 ALPHA = 0.3  # weight of the newest measurement
 PRIOR_PREFILL_TOK_S = 500.0
 PRIOR_STEP_S = 0.05
+
+
+class TransferCounters(Protocol):
+    transfers_ok: int  # KV transfers sent whole
+    exposed_s: float  # seconds of them a prefill's critical path waited
+
+
+class Report(Protocol):
+    """A worker's stats report (disagg's WorkerStats), as far as its speed is concerned."""
+
+    @property
+    def core(self) -> CoreStats: ...
+
+    @property
+    def transfer(self) -> TransferCounters: ...
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -30,9 +49,9 @@ class WorkerRates:
     queued_prompt_tokens: int = 0  # as last reported
     decoding: int = 0  # requests decoding there, as last reported
     sent_prompt_tokens: int = 0  # routed here since that report (the report cannot know of them yet)
-    _last: WorkerStats | None = None
+    _last: Report | None = None
 
-    def observe(self, stats: WorkerStats) -> None:
+    def observe(self, stats: Report) -> None:
         last, self._last = self._last, stats
         self.queued_prompt_tokens = stats.core.num_waiting_prompt_tokens
         self.decoding = stats.core.num_decoding
@@ -79,3 +98,28 @@ def fleet_speed(rates: WorkerRates, fleet: Iterable[WorkerRates]) -> Speed:
 
     return Speed(measured("prefill_tok_s", PRIOR_PREFILL_TOK_S), measured("step_s", PRIOR_STEP_S),
                  measured("exposed_transfer_s", 0.0), rates.queued, rates.decoding)
+
+
+@dataclass(frozen=True)
+class RateSteps:
+    """A step from measured rates rather than a start-up profile (deadlines.StepModel): a decode step
+    when any row decodes, plus the prompt tokens at the prompt rate. A cluster's router has these
+    (its workers report counters, not step profiles)."""
+
+    prefill_tok_s: float
+    decode_step_s: float
+
+    def step_s(self, decode_rows: float, prompt_tokens: float) -> float:
+        return (self.decode_step_s if decode_rows > 0 else 0.0) + max(prompt_tokens, 0.0) / self.prefill_tok_s
+
+
+def fleet_shape(prompt: list[Speed], decode: list[Speed], budget: int, seats: int,
+                contended_chunk: int) -> EngineShape | None:
+    """A fleet as one engine, for admission's predictions (the same as a single server's): the workers
+    that compute prompts add their prompt rates and step budgets (each fills its own steps), a decode
+    step takes the decode workers' mean step time, and seats are the decode workers' (seats). None
+    without workers. The rates are live measurements, so the factor is 1."""
+    if not prompt or not decode:
+        return None
+    steps = RateSteps(sum(s.prefill_tok_s for s in prompt), sum(s.step_s for s in decode) / len(decode))
+    return EngineShape(steps, 1.0, budget * len(prompt), seats, contended_chunk * len(prompt))
