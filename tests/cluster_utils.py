@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
 from server_utils import Server
+from tiny_served_model import tiny_served_model
 
 # A small token budget forces chunked prefill (and so multi-step, layer-wise transfers).
 COMMON = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "64")
+# The same on a tiny random model (3 KV heads, as the default model has): for the protocols' tests.
+TINY = (str(tiny_served_model()), *COMMON)
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
@@ -94,3 +98,14 @@ def metric_or_zero(server: Server, name: str, **labels: str) -> float:
         return metric(server, name, **labels)
     except (KeyError, httpx.HTTPError):
         return 0.0
+
+
+def settled(read: Callable[[], object], until: Callable[[object], bool], timeout: float = 10) -> object:
+    """read() once until(value) holds, within timeout (else its last value): workers report their
+    counters every so often, so a metric catches up with a request shortly after its response."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not until(value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return value
