@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from cluster_utils import metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
+from cluster_utils import TINY, metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
 from server_utils import Server, running_server
 
 from tandem import SamplingParams
@@ -25,8 +25,15 @@ from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
-ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "128",
+# On the tiny random model: these tests are about where requests go, not what the model says.
+ARGS = (TINY[0], "--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "128",
         "--workers", "2", "--worker-cores", "0", "1", "--worker-heartbeat-timeout", "3")
+
+
+@pytest.fixture(scope="module")
+def offline(make_llm):  # noqa: ANN001, ANN201
+    """The in-process engine on the same model: the outputs any worker must give."""
+    return make_llm(model=TINY[0], dtype="float32")
 
 
 def step_profile(step_s: float) -> FittedCost:
@@ -46,11 +53,11 @@ def delta(after: dict, before: dict) -> dict[str, tuple[float, float]]:
     return {w: (after[w][0] - before[w][0], after[w][1] - before[w][1]) for w in after}
 
 
-def test_shared_prefixes_go_where_they_are_cached(passages: list[str], llm_fp32) -> None:  # noqa: ANN001
+def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) -> None:  # noqa: ANN001
     doc = " ".join(passages)[:1500]
     texts = [doc + " Summarise it.", doc + " Name its main topic.", "Hello there"]
     greedy = SamplingParams(temperature=0, max_tokens=12)
-    expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm_fp32.generate(texts, greedy)]
+    expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in offline.generate(texts, greedy)]
     with running_server(*ARGS) as s:
         assert run_all(s, texts[:1], max_tokens=12) == expected[:1]
         first = routed(s)
@@ -80,7 +87,7 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], llm_fp32)
 
 
 def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_worker_into_one(
-        passages: list[str], llm_fp32, tmp_path) -> None:  # noqa: ANN001
+        passages: list[str], offline, tmp_path) -> None:  # noqa: ANN001
     """The predictive planner on two colocated workers, given profiles in which a colocated worker's
     step is slow and a decode worker's fast (so that the simulator must find that moving a worker to
     decode wins): after enough arrivals one is drained and restarted as a decode worker, no request
@@ -99,7 +106,7 @@ def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_wo
             *(f for role in profiles for f in ("--planner-profile", f"{role}={tmp_path / role}.json")))
     texts = [f"{p[:160]} In short," for p in passages[:5]]
     greedy = SamplingParams(temperature=0, max_tokens=6)
-    expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm_fp32.generate(texts, greedy)]
+    expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in offline.generate(texts, greedy)]
     with running_server(*args) as s:
         flips = {"from_role": "colocated", "to_role": "decode"}
         deadline = time.monotonic() + 240
