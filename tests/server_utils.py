@@ -66,3 +66,12 @@ def running_server(*args: str, env: dict[str, str] | None = None):  # noqa: ANN2
         yield server
     finally:
         server.stop()
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's command line, or b"" once it has exited (a child can end between pgrep and the read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

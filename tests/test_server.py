@@ -8,13 +8,12 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import zmq
-from server_utils import Server, free_port, running_server
+from server_utils import Server, cmdline, free_port, running_server
 
 from tandem.engine.messages import KVEvents
 
@@ -270,7 +269,7 @@ def test_a_killed_engine_core_is_started_again() -> None:
     with running_server(*SERVER_ARGS) as s:
         core = next(int(pid) for pid in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
                                                        text=True).stdout.split()
-                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+                    if b"spawn_main" in cmdline(int(pid)))
         waiting: dict[str, httpx.Response] = {}
         # A prompt of 1,500 tokens in 256-token steps: still prefilling, no output yet, when the core dies.
         thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean, hf_greedy, random_hf_model
-from server_utils import running_server
+from server_utils import cmdline, running_server
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -187,7 +187,7 @@ def _followers(root: int) -> list[int]:
         children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
         for child in map(int, children):
             todo.append(child)
-            if b"tandem.engine.worker_group" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"tandem.engine.worker_group" in cmdline(child):
                 found.append(child)
     return found
 
