@@ -103,7 +103,7 @@ def test_kernel_linear_is_f_linear_on_the_dequantized_weight(fmt: BlockFormat, s
     assert close(got, F.linear(x, dense))
     # int8 activations: the kernel's integer sums against the same arithmetic as one float32 GEMM.
     got_q8 = torch.ops.tandem.gguf_linear_q8(x, w.data, fmt.ggml_type, in_features, None)
-    assert close(got_q8, F.linear(quant.q8_roundtrip(x), dense))
+    assert close(got_q8, F.linear(quant.q8_roundtrip(x, quant.x_block(fmt)), dense))
 
 
 @kernel

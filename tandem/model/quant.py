@@ -10,9 +10,9 @@ Two arithmetics multiply by them:
   float (default)  x stays in float; each block is dequantized in registers and meets x in float32
                    FMAs (tandem/ops/quant_linear.cpp): F.linear(x, dequantized W) up to summation
                    order, so the dequantized model is its reference.
-  int8             llama.cpp's: x is quantized to int8 per block of 32 (q8_roundtrip gives the values
-                   that stand for it) and each dot product of 32 weights is exact in integers, scaled
-                   once (tandem/ops/quant_linear_q8.cpp). Rounding x is discontinuous: a one-ulp
+  int8             llama.cpp's: x is quantized to int8 per block of 32, or of 256 against the K-quants
+                   (q8_roundtrip gives the values that stand for it), and each block's dot product is
+                   exact in integers, scaled once (tandem/ops/quant_linear_q8.cpp, quant_linear_k8.cpp). Rounding x is discontinuous: a one-ulp
                    difference upstream (another batch shape's GEMM) can flip a value and, in time, a
                    greedy token, so it is opt-in.
 
@@ -86,8 +86,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 # -- PyTorch fallbacks (any device) -----------------------------------------------------------------
 
-def _torch_q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // X_BLOCK, X_BLOCK)
+def _torch_q8_roundtrip(x: torch.Tensor, block: int = X_BLOCK) -> torch.Tensor:
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     return (scale * torch.round(blocks * inv)).reshape(x.shape)
@@ -104,11 +104,18 @@ def dequantize(data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.
     return torch_dequantize(data, fmt, in_features)
 
 
-def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """x as its per-block int8 quantization stands for it, in float32."""
+def q8_roundtrip(x: torch.Tensor, block: int = X_BLOCK) -> torch.Tensor:
+    """x as its per-block int8 quantization stands for it, in float32 (blocks of 32, or of 256 for the
+    K-quants: x_block)."""
     if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
-        return torch.ops.tandem.q8_roundtrip(x)
-    return _torch_q8_roundtrip(x)
+        return torch.ops.tandem.q8_roundtrip(x, block)
+    return _torch_q8_roundtrip(x, block)
+
+
+def x_block(fmt: BlockFormat) -> int:
+    """The block the int8 activations are quantized in against this format: its own (a K-quant's
+    super-block of 256, llama.cpp's Q8_K; 32 for the others)."""
+    return fmt.block_weights
 
 
 @functools.cache
@@ -165,7 +172,7 @@ def _dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torc
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                      int8_activations: bool = False) -> torch.Tensor:
     """The same arithmetic as one float32 GEMM: the fallback, and the many-rows path for float32 x."""
-    xf = q8_roundtrip(x) if int8_activations else x.float()
+    xf = q8_roundtrip(x, x_block(w.fmt)) if int8_activations else x.float()
     out = F.linear(xf, _dequantized(w), None if bias is None else bias.float())
     return out.to(x.dtype)
 

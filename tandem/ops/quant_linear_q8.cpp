@@ -1,14 +1,14 @@
 // Linear layers on GGUF block-quantized weights with int8 activations, llama.cpp's arithmetic:
-// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K blocks (gguf_blocks.h).
+// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0 or Q8_0 blocks (gguf_blocks.h) here, and in Q4_K, Q5_K or
+// Q6_K blocks through quant_linear_k8.cpp (activations per 256, ggml's Q8_K, as llama.cpp pairs them).
 //
 // The activations are quantized to int8 per block of 32 (a scale d and the scaled sum s = d * sum(q),
 // ggml's Q8_1), and each block's dot product is an exact integer sum: 32 u8 x s8 products in one
 // vpmaddubsw, pairs added by vpmaddwd (or both in one vpdpbusd with AVX512-VNNI; no int16 pair sum
 // saturates: each is at most 2 * 127 * 127), then scaled once per block in float32:
-//   unsigned q (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K)   w = dw * q + mw        dot = dw * dx * sum(q * qx) + mw * sx
-//   signed q (Q8_0, Q6_K: q - 32)               w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
-// per chunk of 32 weights (gguf_blocks.h), which is one block of x; Q6_K's halves scale their own
-// sums (a scale per 16 weights).
+//   unsigned q (Q4_0, Q4_1, Q5_0)   w = dw * q + mw        dot = dw * dx * sum(q * qx) + mw * sx
+//   signed q (Q8_0)                 w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
+// per block of 32 weights, which is one block of x.
 // Each output is the same function of its row of x whatever the batch. But rounding x to int8 is
 // discontinuous: a one-ulp difference in x (another kernel's summation order upstream) can move a
 // value to the next integer, so this path is opt-in (--quantization gguf-q8); quant_linear.cpp keeps
@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "quant_linear_k8.h"
 
 namespace tandem_ops {
 namespace {
@@ -203,19 +204,28 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
   check_activations(x_in, in_features, "gguf_linear_q8");
   const at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
   const int64_t M = x.size(0), K = in_features, N = w.size(0);
+  if (is_k_quant(qtype)) return finish_output(k_quant_linear_q8(x, w, qtype, in_features), x_in, bias);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
     const QuantizedRows a = quantize_rows(x);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    with_format(qtype, "gguf_linear_q8", [&](auto qt) { linear_rows<decltype(qt)::value>(wp, w.size(1), a, M, K, N, yp); });
+    switch (qtype) {  // the K-quants went to quant_linear_k8.cpp above
+      case kQ4_0: linear_rows<kQ4_0>(wp, w.size(1), a, M, K, N, yp); break;
+      case kQ4_1: linear_rows<kQ4_1>(wp, w.size(1), a, M, K, N, yp); break;
+      case kQ5_0: linear_rows<kQ5_0>(wp, w.size(1), a, M, K, N, yp); break;
+      case kQ8_0: linear_rows<kQ8_0>(wp, w.size(1), a, M, K, N, yp); break;
+      default: TORCH_CHECK(false, "gguf_linear_q8: unsupported ggml type ", qtype);
+    }
   }
   return finish_output(y, x_in, bias);
 }
 
-at::Tensor q8_roundtrip(const at::Tensor& x_in) {
+at::Tensor q8_roundtrip(const at::Tensor& x_in, int64_t block) {
   TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "q8_roundtrip: x must be float32 or bfloat16 on the CPU");
+  TORCH_CHECK(block == kChunk || block == 256, "q8_roundtrip: block must be 32 or 256, got ", block);
+  if (block == 256) return k_quant_roundtrip(x_in);
   const int64_t K = x_in.size(-1);
   TORCH_CHECK(K % kChunk == 0, "q8_roundtrip: the last dimension must be a multiple of 32, got ", K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
@@ -237,7 +247,7 @@ at::Tensor q8_roundtrip(const at::Tensor& x_in) {
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("gguf_linear_q8(Tensor x, Tensor w, int qtype, int in_features, Tensor? bias) -> Tensor");
-  m.def("q8_roundtrip(Tensor x) -> Tensor");
+  m.def("q8_roundtrip(Tensor x, int block=32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

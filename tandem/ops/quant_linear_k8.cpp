@@ -1,0 +1,282 @@
+// K-quant weights (Q4_K, Q5_K, Q6_K) times int8 activations, llama.cpp's arithmetic for them: x is
+// quantized per super-block of 256 (one float scale; ggml's Q8_K) and a block's dot product is summed
+// in integers, its 6- or 8-bit sub-block scales included, then scaled once in float:
+//   Q4_K, Q5_K   w = d * sc[s] * q - dmin * m[s]   dot = d * dx * sum_s sc[s] * sum(q * qx)  -  dmin * dx * sum_s m[s] * bsum[s]
+//   Q6_K         w = d * sc[g] * (q - 32)          dot = d * dx * (sum_g sc[g] * sum(q * qx)  -  32 * sum_g sc[g] * bsum16[g])
+// with s a sub-block of 32 weights, g a group of 16, and bsum the sums of x's int8 values over them.
+// Per 32 weights and row: one vpmaddubsw (u8 quants x s8 activations, pairs summed in int16: at most
+// 2 * 63 * 127, no saturation) and one vpmaddwd with the sub-block scales (int32), so a block costs
+// one int32 -> float conversion per row instead of one per 32 weights (quant_linear_q8.cpp's
+// per-32 path for the other formats).
+//
+// Each output is a function of its row of x alone, summed in one order whatever the batch, the tile
+// and the threads. Tiles of MR activation rows meet one weight row at a time, so a block's quants and
+// scales are decoded once for every row of the tile; threads split the weight rows and the weights
+// stream from memory once per call.
+//
+// AVX2 (every machine the kernels build for has it): 256-bit integer ops, which Zen 4 runs at the
+// rate of its 512-bit ones. Without AVX2 the portable loop computes the same integers.
+
+#include "quant_linear_k8.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace tandem_ops {
+namespace {
+
+using namespace gguf;
+
+constexpr int64_t kSuper = 256;
+
+// x's rows quantized per 256: int8 values, a scale per block, and the sums of each 16 values.
+struct Q8K {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsum16;  // [rows, blocks, 16]
+  int64_t nb = 0;
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, int16_t* bsum) {
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const T* xb = x + b * kSuper;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+    const float scale = amax / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int64_t g = 0; g < 16; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 16 * g; i < 16 * g + 16; ++i) {
+        // nearbyint rounds half to even, as torch.round does in the fallback.
+        const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(xb[i]) * inv));
+        q[b * kSuper + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      bsum[b * 16 + g] = static_cast<int16_t>(sum);
+    }
+    d[b] = scale;
+  }
+}
+
+Q8K quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Q8K r;
+  r.nb = K / kSuper;
+  r.q.resize(M * K);
+  r.d.resize(M * r.nb);
+  r.bsum16.resize(M * r.nb * 16);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* q = r.q.data() + m * K;
+      float* d = r.d.data() + m * r.nb;
+      int16_t* s = r.bsum16.data() + m * r.nb * 16;
+      if (x.scalar_type() == at::kFloat) {
+        quantize_row(x.data_ptr<float>() + m * K, K, q, d, s);
+      } else {
+        quantize_row(x.data_ptr<at::BFloat16>() + m * K, K, q, d, s);
+      }
+    }
+  });
+  return r;
+}
+
+// A block's integer sub-block scales (and, for Q4_K and Q5_K, mins) and its float multipliers.
+template <int64_t QT>
+struct KScales {
+  int16_t sc[16];   // Q4_K, Q5_K: per sub-block of 32 (8 used); Q6_K: per group of 16
+  int16_t min[8];   // Q4_K, Q5_K
+  float d, dmin;
+};
+
+template <int64_t QT>
+inline KScales<QT> k_scales(const uint8_t* b) {
+  KScales<QT> s;
+  if constexpr (QT == kQ6_K) {
+    for (int g = 0; g < 16; ++g) s.sc[g] = static_cast<int8_t>(b[192 + g]);
+    s.d = half_at(b + 208);
+    s.dmin = 0.0f;
+  } else {
+    for (int j = 0; j < 8; ++j) {
+      int scale, mn;
+      k_scale_min(b + 4, j, scale, mn);
+      s.sc[j] = static_cast<int16_t>(scale);
+      s.min[j] = static_cast<int16_t>(mn);
+    }
+    s.d = half_at(b);
+    s.dmin = half_at(b + 2);
+  }
+  return s;
+}
+
+#if defined(TANDEM_QUANT_AVX2)
+// Chunk c's 32 quants as unsigned bytes (Q6_K's without the -32, which the bsums carry).
+template <int64_t QT>
+inline __m256i unsigned_quants(const uint8_t* b, int c) {
+  if constexpr (QT == kQ6_K) return _mm256_add_epi8(chunk_quants<QT>(b, c), _mm256_set1_epi8(32));
+  return chunk_quants<QT>(b, c);
+}
+
+// The int16 multipliers of a chunk's 16 pair sums: its scale (Q4_K, Q5_K), or its two groups' (Q6_K:
+// pair sums 0-7 are weights 0-15).
+template <int64_t QT>
+inline __m256i chunk_scales(const KScales<QT>& s, int c) {
+  if constexpr (QT == kQ6_K) return _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * c + 1]), _mm_set1_epi16(s.sc[2 * c]));
+  return _mm256_set1_epi16(s.sc[c]);
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The offset term's integer: Q4_K, Q5_K: sum_s min[s] * bsum32[s]; Q6_K: 32 * sum_g sc[g] * bsum16[g].
+template <int64_t QT>
+inline int32_t offset_sum(const KScales<QT>& s, const int16_t* bsum16) {
+  const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum16));
+  if constexpr (QT == kQ6_K) {
+    const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc));
+    return 32 * hsum_epi32(_mm256_madd_epi16(sc, b16));
+  } else {
+    // Each min covers two groups of 16: duplicate it across the pair.
+    const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
+    const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    return hsum_epi32(_mm256_madd_epi16(m16, b16));
+  }
+}
+
+// out[i] (row m0 + i of x) . weight row n, for MR rows.
+template <int64_t QT, int MR>
+void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y,
+          int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const int64_t nb = a.nb;
+  __m256 acc[MR];
+  float off[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
+  const uint8_t* row = w + n * row_bytes;
+  const uint8_t* ahead = w + (n + kPrefetchTiles) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = row + b * bb;
+    for (int l = 0; l < (bb + 63) / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + b * bb + 64 * l), _MM_HINT_T0);
+    const KScales<QT> s = k_scales<QT>(block);
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q = unsigned_quants<QT>(block, c);
+      const __m256i sc = chunk_scales<QT>(s, c);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* qx = a.q.data() + (m0 + i) * K + b * kSuper + 32 * c;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t xb = (m0 + i) * nb + b;
+      const float dx = a.d[xb];
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+      const int32_t o = offset_sum<QT>(s, a.bsum16.data() + xb * 16);
+      off[i] += (QT == kQ6_K ? s.d : s.dmin) * dx * static_cast<float>(o);
+    }
+  }
+  for (int i = 0; i < MR; ++i) y[(m0 + i) * N + n] = hsum_ps(acc[i]) - off[i];
+}
+#else
+// Portable: the same integers, one output at a time.
+template <int64_t QT, int MR>
+void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y,
+          int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  for (int i = 0; i < MR; ++i) {
+    const int64_t r = m0 + i;
+    float total = 0.0f, off = 0.0f;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* block = w + n * row_bytes + b * bb;
+      const KScales<QT> s = k_scales<QT>(block);
+      const int8_t* qx = a.q.data() + r * K + b * kSuper;
+      const int16_t* bsum = a.bsum16.data() + (r * a.nb + b) * 16;
+      int32_t isum = 0, o = 0;
+      for (int c = 0; c < 8; ++c)
+        for (int k = 0; k < 32; ++k) {
+          const int32_t q = chunk_quant<QT>(block, c, k) + (QT == kQ6_K ? 32 : 0);
+          isum += (QT == kQ6_K ? s.sc[2 * c + k / 16] : s.sc[c]) * q * qx[32 * c + k];
+        }
+      for (int g = 0; g < 16; ++g) o += (QT == kQ6_K ? 32 * s.sc[g] : s.min[g / 2]) * bsum[g];
+      const float dx = a.d[r * a.nb + b];
+      total += s.d * dx * static_cast<float>(isum);
+      off += (QT == kQ6_K ? s.d : s.dmin) * dx * static_cast<float>(o);
+    }
+    y[r * N + n] = total - off;
+  }
+}
+#endif
+
+template <int64_t QT>
+void linear_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, int64_t K, int64_t N, float* y) {
+  using One = std::integral_constant<int, 1>;
+  using Four = std::integral_constant<int, 4>;
+  // Four rows a tile (the weight block decoded once for them), then the rest one by one; every row's
+  // sums run in the same order either way.
+  auto run = [&](auto mr, int64_t m0, int64_t n) { tile<QT, decltype(mr)::value>(w, row_bytes, a, K, m0, n, y, N); };
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4) run(Four{}, m0, n);
+      for (; m0 < M; ++m0) run(One{}, m0, n);
+    }
+  });
+}
+
+}  // namespace
+
+bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+
+at::Tensor k_quant_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t in_features) {
+  const int64_t M = x.size(0), K = in_features, N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  const Q8K a = quantize_rows(x);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (qtype) {
+    case kQ4_K: linear_rows<kQ4_K>(wp, w.size(1), a, M, K, N, yp); break;
+    case kQ5_K: linear_rows<kQ5_K>(wp, w.size(1), a, M, K, N, yp); break;
+    case kQ6_K: linear_rows<kQ6_K>(wp, w.size(1), a, M, K, N, yp); break;
+    default: TORCH_CHECK(false, "k_quant_linear_q8: not a K-quant: ", qtype);
+  }
+  return y;
+}
+
+at::Tensor k_quant_roundtrip(const at::Tensor& x_in) {
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(K % kSuper == 0, "q8_roundtrip: K-quant activations need a multiple of 256 features, got ", K);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    const Q8K a = quantize_rows(x);
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, M * a.nb, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t k = 0; k < kSuper; ++k) op[b * kSuper + k] = a.d[b] * static_cast<float>(a.q[b * kSuper + k]);
+    });
+  }
+  return out.view(x_in.sizes());
+}
+
+}  // namespace tandem_ops
