@@ -103,11 +103,17 @@ inline KScales<QT> k_scales(const uint8_t* b) {
     s.d = half_at(b + 208);
     s.dmin = 0.0f;
   } else {
+    // The 12 bytes of 6-bit scales and mins (gguf_blocks.h k_scale_min), four sub-blocks a 32-bit word:
+    // 0-3 in the low six bits of words 0 (scales) and 1 (mins), 4-7 in word 2's nibbles with their top
+    // two bits in the top bits of words 0 and 1.
+    uint32_t u[3];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t low6 = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, top2 = 0x03030303u;
+    const uint32_t sc[2] = {u[0] & low6, (u[2] & nib) | (((u[0] >> 6) & top2) << 4)};
+    const uint32_t mn[2] = {u[1] & low6, ((u[2] >> 4) & nib) | (((u[1] >> 6) & top2) << 4)};
     for (int j = 0; j < 8; ++j) {
-      int scale, mn;
-      k_scale_min(b + 4, j, scale, mn);
-      s.sc[j] = static_cast<int16_t>(scale);
-      s.min[j] = static_cast<int16_t>(mn);
+      s.sc[j] = static_cast<int16_t>((sc[j / 4] >> (8 * (j % 4))) & 0xFF);
+      s.min[j] = static_cast<int16_t>((mn[j / 4] >> (8 * (j % 4))) & 0xFF);
     }
     s.d = half_at(b);
     s.dmin = half_at(b + 2);
@@ -131,13 +137,6 @@ inline __m256i chunk_scales(const KScales<QT>& s, int c) {
   return _mm256_set1_epi16(s.sc[c]);
 }
 
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 inline float hsum_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -145,18 +144,16 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The offset term's integer: Q4_K, Q5_K: sum_s min[s] * bsum32[s]; Q6_K: 32 * sum_g sc[g] * bsum16[g].
+// The offset term's integers, summed later: Q4_K, Q5_K: min[s] * bsum32[s] (two groups of 16 a
+// sub-block); Q6_K: sc[g] * bsum16[g] (times 32, in its float factor).
 template <int64_t QT>
-inline int32_t offset_sum(const KScales<QT>& s, const int16_t* bsum16) {
+inline __m256i offset_terms(const KScales<QT>& s, const int16_t* bsum16) {
   const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum16));
   if constexpr (QT == kQ6_K) {
-    const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc));
-    return 32 * hsum_epi32(_mm256_madd_epi16(sc, b16));
+    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc)), b16);
   } else {
-    // Each min covers two groups of 16: duplicate it across the pair.
     const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
-    const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
-    return hsum_epi32(_mm256_madd_epi16(m16, b16));
+    return _mm256_madd_epi16(_mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8)), b16);
   }
 }
 
@@ -166,9 +163,8 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
           int64_t N) {
   constexpr int64_t bb = kBlockBytes<QT>;
   const int64_t nb = a.nb;
-  __m256 acc[MR];
-  float off[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
+  __m256 acc[MR], off[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), off[i] = _mm256_setzero_ps();
   const uint8_t* row = w + n * row_bytes;
   const uint8_t* ahead = w + (n + kPrefetchTiles) * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
@@ -190,11 +186,12 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
       const int64_t xb = (m0 + i) * nb + b;
       const float dx = a.d[xb];
       acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-      const int32_t o = offset_sum<QT>(s, a.bsum16.data() + xb * 16);
-      off[i] += (QT == kQ6_K ? s.d : s.dmin) * dx * static_cast<float>(o);
+      const float f = (QT == kQ6_K ? 32.0f * s.d : s.dmin) * dx;
+      off[i] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(offset_terms<QT>(s, a.bsum16.data() + xb * 16)),
+                               off[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) y[(m0 + i) * N + n] = hsum_ps(acc[i]) - off[i];
+  for (int i = 0; i < MR; ++i) y[(m0 + i) * N + n] = hsum_ps(acc[i]) - hsum_ps(off[i]);
 }
 #else
 // Portable: the same integers, one output at a time.
