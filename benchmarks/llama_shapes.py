@@ -1,6 +1,7 @@
 """Random-weight Llama 3.2 models at their real shapes, as GGUF files made by llama.cpp's own tools:
 for speed at the sizes users serve (issue #46). Random weights say nothing about quality.
 
+    .venv/bin/pip install -e ".[bench]"      # sentencepiece, which the converter imports
     .venv/bin/python benchmarks/llama_shapes.py --llama-cpp /work/llama/llama.cpp 1b Q4_K_M Q4_0
 
 Shapes (Llama-3.2-1B and 3B; the vocabulary is Llama 3's 128,256: SmolLM2's tokenizer, which llama.cpp's
@@ -38,7 +39,6 @@ VOCAB = 128256
 
 def hf_directory(size: str, out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_utils import no_init_weights
 
     if (out / "config.json").exists():
         return out
@@ -46,8 +46,12 @@ def hf_directory(size: str, out: Path) -> Path:
     cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
                       rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                       torch_dtype="bfloat16", **SHAPES[size])
-    with no_init_weights():
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16, not built in float32 and copied
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

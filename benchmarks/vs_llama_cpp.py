@@ -52,23 +52,24 @@ WORKLOADS = [Workload("one-stream", 256, 128, 1, 4), Workload("c8", 256, 128, 8,
 SLOTS = 32  # llama-server's parallel sequences: the largest concurrency
 TANDEM_SERVERS = {  # name -> its `tandem serve` flags
     "tandem": ["--quantization", "gguf"],  # the file's blocks as stored (the default where bf16 is not native)
+    # The blocks as stored with int8 activations (llama.cpp's arithmetic; K-quants per 256).
+    "tandem-q8": ["--quantization", "gguf-q8"],
     "tandem-int8kv": ["--quantization", "gguf", "--kv-cache-dtype", "int8"],
     "tandem-dense": ["--quantization", "none"],  # dequantized to --dtype auto (bf16 where native: the default)
 }
-# llama-server queues every request; Tandem's default admission control refuses (429) those it predicts
-# would miss the SLOs. Throughput is compared on the same served work, so Tandem serves everything too.
-TANDEM_COMMON = ["--admission", "off"]
+# Tandem's shipped admission (queue) serves these loads whole, as llama-server does.
+TANDEM_COMMON: list[str] = []
 SLOT_CONTEXT = 2304  # the longest request (2,048 + 64) and then some
 
 
 def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
-    model = str(default_model_path())
+    model = str(args.model or default_model_path())
     if name == "llama.cpp":
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
                 "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "--no-webui"]
     flags = TANDEM_SERVERS[name]
     return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto", *flags,
-            *TANDEM_COMMON, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
+            *TANDEM_COMMON, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS), model,
             *shlex.split(args.tandem_args)]
 
 
@@ -123,6 +124,8 @@ def run_server(name: str, args: argparse.Namespace, progress: Progress) -> list[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default="/work/llama/bin/llama-server")
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the default model); "
+                    "benchmarks/llama_shapes.py makes Llama-3.2 1B/3B shapes")
     ap.add_argument("--servers", default="tandem,tandem-int8kv,tandem-dense,llama.cpp")
     ap.add_argument("--workloads", default="", help="comma-separated subset of " + ",".join(w.name for w in WORKLOADS))
     ap.add_argument("--threads", type=int, default=2)

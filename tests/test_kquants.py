@@ -191,3 +191,16 @@ def test_gemma_greedy_tokens_as_stored_are_the_dequantized_models(gemma) -> None
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {q: [o.outputs[0].token_ids for o in llm.generate(GEMMA_PROMPTS, params)] for q, llm in gemma.items()}
     assert tokens["gguf"] == tokens["none"]
+
+
+@kernel
+@pytest.mark.parametrize("fmt", NEW_FORMATS, ids=lambda f: f.name)
+def test_int8_rows_are_the_same_alone_and_in_a_prompt_of_any_length(fmt: BlockFormat) -> None:
+    """With int8 activations the kernel serves every row count (no GEMM past gemm_rows with another
+    summation order): a token's row is bit-identical in a long prompt chunk and alone, as in a decode step."""
+    w, _ = random_weight(fmt, 40, 512, seed=7)
+    rows = quant.gemm_rows() + 9
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    together = quant.quantized_linear(x, w, int8_activations=True)
+    alone = torch.cat([quant.quantized_linear(x[i:i + 1], w, int8_activations=True) for i in range(0, rows, 17)])
+    assert torch.equal(alone, together[::17])

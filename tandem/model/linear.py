@@ -23,7 +23,7 @@ from torch import nn
 
 from tandem.model.block_formats import BlockFormat
 from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
-from tandem.model.quant import QuantizedWeight, cat_rows, gemm_rows, quantized_linear
+from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, cat_rows, gemm_rows, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,10 @@ class GGUFMethod(LinearMethod):
         return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)
 
     def native_form(self, layer: Linear) -> NativeLinear | None:
-        # Past gemm_rows quantized_linear dequantizes for a GEMM: the Python path's job.
-        return NativeLinear(3 if self.int8_activations else 2, layer.qdata, self.fmt.ggml_type, gemm_rows())
+        # Float activations: past gemm_rows quantized_linear dequantizes for a GEMM, the Python path's job.
+        # int8: the kernel at every row count (quantized_linear).
+        rows = UNLIMITED_ROWS if self.int8_activations else gemm_rows()
+        return NativeLinear(3 if self.int8_activations else 2, layer.qdata, self.fmt.ggml_type, rows)
 
 
 DENSE = LinearMethod()

@@ -133,6 +133,7 @@ def gemm_rows() -> int:
 # A matrix this large (the default model's 49152 x 576 lm_head) is never dequantized per call: the
 # fresh float32 copy (113 MB) costs more in page faults and memory traffic than the kernel's sums.
 MAX_DEQUANTIZED_WEIGHTS = 8 << 20
+UNLIMITED_ROWS = 1 << 62  # a native linear form that serves any number of rows
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -140,7 +141,10 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     """x [..., in_features] (float32 or bfloat16) times w^T, in x's dtype."""
     if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
         rows = x.numel() // w.in_features
-        if rows <= gemm_rows() or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS:
+        # int8 activations: the kernel at every row count, so a row's value never depends on the batch or
+        # the chunk it is in (the int8 sums make a row's cost near a float GEMM's anyway: a 1B model's
+        # 256-token prompt took 2.5-2.8 s either way on a 2-core Zen 4).
+        if rows <= gemm_rows() or int8_activations or w.out_features * w.in_features > MAX_DEQUANTIZED_WEIGHTS:
             op = torch.ops.tandem.gguf_linear_q8 if int8_activations else torch.ops.tandem.gguf_linear
             return op(x, w.data, w.fmt.ggml_type, w.in_features, bias)
         if x.dtype == torch.bfloat16 and not int8_activations:

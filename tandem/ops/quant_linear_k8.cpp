@@ -144,6 +144,16 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// acc + the pair sums p times the scales s, pairwise added (vpmaddwd then vpaddd, or one vpdpwssd with
+// VNNI: the same exact integers).
+inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return _mm256_dpwssd_epi32(acc, p, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
 // The offset term's integers, summed later: Q4_K, Q5_K: min[s] * bsum32[s] (two groups of 16 a
 // sub-block); Q6_K: sc[g] * bsum16[g] (times 32, in its float factor).
 template <int64_t QT>
@@ -157,48 +167,59 @@ inline __m256i offset_terms(const KScales<QT>& s, const int16_t* bsum16) {
   }
 }
 
-// out[i] (row m0 + i of x) . weight row n, for MR rows.
-template <int64_t QT, int MR>
+// out[i][j] = row (m0 + i) of x . weight row (n + j), for MR rows and NR weight rows (one row meets four
+// weight rows: independent blocks to overlap; several rows meet one, its block decoded once for them).
+template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y,
           int64_t N) {
   constexpr int64_t bb = kBlockBytes<QT>;
+  // Independent chains of integer sums per output (vpdpwssd's latency would bind a lone chain), added
+  // at the block's end: exact integers, so the same value however many.
+  constexpr int kChains = MR * NR == 1 ? 4 : MR * NR <= 4 ? 2 : 1;
   const int64_t nb = a.nb;
-  __m256 acc[MR], off[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), off[i] = _mm256_setzero_ps();
-  const uint8_t* row = w + n * row_bytes;
-  const uint8_t* ahead = w + (n + kPrefetchTiles) * row_bytes;
+  __m256 acc[MR][NR], off[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), off[i][j] = _mm256_setzero_ps();
+  const uint8_t* ahead = w + (n + NR * kPrefetchTiles) * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = row + b * bb;
-    for (int l = 0; l < (bb + 63) / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + b * bb + 64 * l), _MM_HINT_T0);
-    const KScales<QT> s = k_scales<QT>(block);
-    __m256i isum[MR];
-    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = unsigned_quants<QT>(block, c);
-      const __m256i sc = chunk_scales<QT>(s, c);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* block = w + (n + j) * row_bytes + b * bb;
+      for (int l = 0; l < (bb + 63) / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * row_bytes + b * bb + 64 * l), _MM_HINT_T0);
+      const KScales<QT> s = k_scales<QT>(block);
+      __m256i isum[MR][kChains];
+      for (int i = 0; i < MR; ++i)
+        for (int h = 0; h < kChains; ++h) isum[i][h] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = unsigned_quants<QT>(block, c);
+        const __m256i sc = chunk_scales<QT>(s, c);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* qx = a.q.data() + (m0 + i) * K + b * kSuper + 32 * c;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+          isum[i][c % kChains] = dot_add(isum[i][c % kChains], _mm256_maddubs_epi16(q, x), sc);
+        }
+      }
       for (int i = 0; i < MR; ++i) {
-        const int8_t* qx = a.q.data() + (m0 + i) * K + b * kSuper + 32 * c;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+        for (int h = 1; h < kChains; ++h) isum[i][0] = _mm256_add_epi32(isum[i][0], isum[i][h]);
+        const int64_t xb = (m0 + i) * nb + b;
+        const float dx = a.d[xb];
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i][0]), acc[i][j]);
+        const float f = (QT == kQ6_K ? 32.0f * s.d : s.dmin) * dx;
+        off[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(f),
+                                    _mm256_cvtepi32_ps(offset_terms<QT>(s, a.bsum16.data() + xb * 16)), off[i][j]);
       }
     }
-    for (int i = 0; i < MR; ++i) {
-      const int64_t xb = (m0 + i) * nb + b;
-      const float dx = a.d[xb];
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-      const float f = (QT == kQ6_K ? 32.0f * s.d : s.dmin) * dx;
-      off[i] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(offset_terms<QT>(s, a.bsum16.data() + xb * 16)),
-                               off[i]);
-    }
   }
-  for (int i = 0; i < MR; ++i) y[(m0 + i) * N + n] = hsum_ps(acc[i]) - hsum_ps(off[i]);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n + j] = hsum_ps(acc[i][j]) - hsum_ps(off[i][j]);
 }
 #else
 // Portable: the same integers, one output at a time.
-template <int64_t QT, int MR>
-void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y,
+template <int64_t QT, int MR, int NR>
+void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n0, float* y,
           int64_t N) {
   constexpr int64_t bb = kBlockBytes<QT>;
+  for (int64_t n = n0; n < n0 + NR; ++n)
   for (int i = 0; i < MR; ++i) {
     const int64_t r = m0 + i;
     float total = 0.0f, off = 0.0f;
@@ -227,14 +248,28 @@ template <int64_t QT>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, int64_t K, int64_t N, float* y) {
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;
-  // Four rows a tile (the weight block decoded once for them), then the rest one by one; every row's
-  // sums run in the same order either way.
-  auto run = [&](auto mr, int64_t m0, int64_t n) { tile<QT, decltype(mr)::value>(w, row_bytes, a, K, m0, n, y, N); };
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
+  using Eight = std::integral_constant<int, 8>;
+  auto run = [&](auto mr, auto nr, int64_t m0, int64_t n) {
+    tile<QT, decltype(mr)::value, decltype(nr)::value>(w, row_bytes, a, K, m0, n, y, N);
+  };
+  // One row: four weight rows a tile. More: eight rows a tile where there are 32 vector registers (four
+  // with AVX2's 16), then fours, then the rest one by one, each weight block decoded once per tile.
+  // Every output's sums run in the same order whatever the tile.
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
+    const int64_t n_end = std::min(N, t1 * 4);
+    for (int64_t n = t0 * 4; n < n_end;) {
+      if (M == 1 && n + 4 <= n_end) {
+        run(One{}, Four{}, 0, n);
+        n += 4;
+        continue;
+      }
       int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) run(Four{}, m0, n);
-      for (; m0 < M; ++m0) run(One{}, m0, n);
+#if defined(__AVX512VL__)
+      for (; m0 + 8 <= M; m0 += 8) run(Eight{}, One{}, m0, n);
+#endif
+      for (; m0 + 4 <= M; m0 += 4) run(Four{}, One{}, m0, n);
+      for (; m0 < M; ++m0) run(One{}, One{}, m0, n);
+      ++n;
     }
   });
 }
