@@ -12,14 +12,15 @@ Two arithmetics multiply by them:
                    order, so the dequantized model is its reference.
   int8             llama.cpp's: x is quantized to int8 per block of 32, or of 256 against the K-quants
                    (q8_roundtrip gives the values that stand for it), and each block's dot product is
-                   exact in integers, scaled once (tandem/ops/quant_linear_q8.cpp, quant_linear_k8.cpp). Rounding x is discontinuous: a one-ulp
-                   difference upstream (another batch shape's GEMM) can flip a value and, in time, a
-                   greedy token, so it is opt-in.
+                   exact in integers, scaled once (tandem/ops/quant_linear_q8.cpp, quant_linear_k8.cpp).
+                   The kernel serves every row count, so a row's value is the same in any batch or
+                   chunk. Rounding x is discontinuous: a one-ulp difference upstream (a kernel that is
+                   not batch-invariant) can flip a value and, in time, a greedy token, so it is opt-in.
 
-Either kernel is one stream over the weight bytes for a few rows. For many rows, where the matmul's
-FLOPs and not its bytes set the time, the same values go through one GEMM on weights dequantized
-for that call (a layer's worth, in a reused scratch buffer): float32, or bfloat16 for bfloat16
-x. The PyTorch fallbacks here (any device) compute the same.
+Either kernel is one stream over the weight bytes for a few rows. For many rows with float
+activations, where the matmul's FLOPs and not its bytes set the time, the same values go through one
+GEMM on weights dequantized for that call (a layer's worth, in a reused scratch buffer): float32, or
+bfloat16 for bfloat16 x. The PyTorch fallbacks here (any device) compute the same.
 """
 
 from __future__ import annotations
