@@ -1,7 +1,6 @@
 """Log-likelihood of a text under a model: one prefill over a private KV pool, every position's logits.
-
-The accuracy checks of a quantized model (tests, benchmarks/quantization.py) compare perplexities on the
-same text with this.
+The accuracy checks of quantized serving compare perplexities, and the distributions themselves
+(next_token_logits), on the same text.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from tandem.model.causal_lm import CausalLM
 
 
 @torch.inference_mode()
-def token_logprobs(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto",
-                   block_size: int = 16) -> torch.Tensor:
-    """log p(ids[i] | ids[:i]) for i >= 1, in float32, with the KV held as kv_cache_dtype says."""
+def next_token_logits(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto",
+                      block_size: int = 16) -> torch.Tensor:
+    """Every position's logits for the token after it, [len(ids), vocab] in float32, with the KV held as
+    kv_cache_dtype says."""
     cfg = model.cfg
     device = model.norm.weight.device
     layout = kv_layout(kv_cache_dtype, model.norm.weight.dtype, cfg.head_dim)
@@ -29,9 +29,13 @@ def token_logprobs(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto"
     rows = np.arange(len(ids))
     meta = build_attention_metadata(np.array([len(ids)]), np.array([0]), np.arange(num_blocks, dtype=np.int32)[None],
                                     0, block_size, device, rows, compact_prefill_blocks=layout.quantized)
-    logits = model(torch.tensor(ids, device=device), meta, kv, torch.from_numpy(rows).to(device)).float()
-    logp = logits[:-1].log_softmax(-1)
-    return logp.gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
+    return model(torch.tensor(ids, device=device), meta, kv, torch.from_numpy(rows).to(device)).float()
+
+
+def token_logprobs(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, in float32."""
+    logp = next_token_logits(model, ids, kv_cache_dtype)[:-1].log_softmax(-1)
+    return logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None])[:, 0].cpu()
 
 
 def perplexity(model: CausalLM, ids: list[int], kv_cache_dtype: str = "auto") -> float:
