@@ -57,7 +57,7 @@ def random_blocks(fmt: BlockFormat, out_features: int, in_features: int, seed: i
     nb = in_features // fmt.block_weights
     data = rng.integers(0, 256, (out_features, nb, fmt.block_bytes), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    offsets = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(fmt.name, [0])
+    offsets = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2]}.get(fmt.name, [0])
     for off in offsets:
         data[:, :, off:off + 2] = scale
     return torch.from_numpy(data.reshape(out_features, nb * fmt.block_bytes))

@@ -101,16 +101,29 @@ inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
   }
 }
 
+// All eight at once, four sub-blocks a 32-bit word (what k_scale_min reads one at a time): 0-3 in the low
+// six bits of words 0 (scales) and 1 (mins), 4-7 in word 2's nibbles with their top two bits in the top
+// bits of words 0 and 1.
+inline void k_scales_mins(const uint8_t* s, uint8_t scale[8], uint8_t min[8]) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, top2 = 0x03030303u;
+  const uint32_t sc[2] = {u[0] & low6, (u[2] & nib) | (((u[0] >> 6) & top2) << 4)};
+  const uint32_t mn[2] = {u[1] & low6, ((u[2] >> 4) & nib) | (((u[1] >> 6) & top2) << 4)};
+  std::memcpy(scale, sc, 8);
+  std::memcpy(min, mn, 8);
+}
+
 template <int64_t QT>
 inline Scales<QT> block_scales(const uint8_t* b) {
   Scales<QT> s;
   if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t scale[8], min[8];
+    k_scales_mins(b + 4, scale, min);
     for (int c = 0; c < 8; ++c) {
-      int scale, min;
-      k_scale_min(b + 4, c, scale, min);
-      s.d[c][0] = s.d[c][1] = d * static_cast<float>(scale);
-      s.m[c][0] = s.m[c][1] = -(dmin * static_cast<float>(min));
+      s.d[c][0] = s.d[c][1] = d * static_cast<float>(scale[c]);
+      s.m[c][0] = s.m[c][1] = -(dmin * static_cast<float>(min[c]));
     }
   } else if constexpr (QT == kQ6_K) {
     const float d = half_at(b + 208);

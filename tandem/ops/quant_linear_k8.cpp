@@ -103,18 +103,9 @@ inline KScales<QT> k_scales(const uint8_t* b) {
     s.d = half_at(b + 208);
     s.dmin = 0.0f;
   } else {
-    // The 12 bytes of 6-bit scales and mins (gguf_blocks.h k_scale_min), four sub-blocks a 32-bit word:
-    // 0-3 in the low six bits of words 0 (scales) and 1 (mins), 4-7 in word 2's nibbles with their top
-    // two bits in the top bits of words 0 and 1.
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
-    const uint32_t low6 = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, top2 = 0x03030303u;
-    const uint32_t sc[2] = {u[0] & low6, (u[2] & nib) | (((u[0] >> 6) & top2) << 4)};
-    const uint32_t mn[2] = {u[1] & low6, ((u[2] >> 4) & nib) | (((u[1] >> 6) & top2) << 4)};
-    for (int j = 0; j < 8; ++j) {
-      s.sc[j] = static_cast<int16_t>((sc[j / 4] >> (8 * (j % 4))) & 0xFF);
-      s.min[j] = static_cast<int16_t>((mn[j / 4] >> (8 * (j % 4))) & 0xFF);
-    }
+    uint8_t sc[8], mn[8];
+    k_scales_mins(b + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) s.sc[j] = sc[j], s.min[j] = mn[j];
     s.d = half_at(b);
     s.dmin = half_at(b + 2);
   }
