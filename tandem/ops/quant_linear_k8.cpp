@@ -103,9 +103,15 @@ inline KScales<QT> k_scales(const uint8_t* b) {
     s.d = half_at(b + 208);
     s.dmin = 0.0f;
   } else {
-    uint8_t sc[8], mn[8];
-    k_scales_mins(b + 4, sc, mn);
-    for (int j = 0; j < 8; ++j) s.sc[j] = sc[j], s.min[j] = mn[j];
+    uint8_t sm[16];  // the eight scales, then the eight mins
+    k_scales_mins(b + 4, sm, sm + 8);
+#if defined(TANDEM_QUANT_AVX2)
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sc), _mm256_castsi256_si128(wide));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.min), _mm256_extracti128_si256(wide, 1));
+#else
+    for (int j = 0; j < 8; ++j) s.sc[j] = sm[j], s.min[j] = sm[8 + j];
+#endif
     s.d = half_at(b);
     s.dmin = half_at(b + 2);
   }
@@ -145,17 +151,13 @@ inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
-// The offset term's integers, summed later: Q4_K, Q5_K: min[s] * bsum32[s] (two groups of 16 a
-// sub-block); Q6_K: sc[g] * bsum16[g] (times 32, in its float factor).
+// The multipliers of x's 16 group sums in the offset term, once per block: Q4_K, Q5_K: each sub-block's
+// min, for both of its groups of 16; Q6_K: each group's scale (the 32 is in the term's float factor).
 template <int64_t QT>
-inline __m256i offset_terms(const KScales<QT>& s, const int16_t* bsum16) {
-  const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum16));
-  if constexpr (QT == kQ6_K) {
-    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc)), b16);
-  } else {
-    const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
-    return _mm256_madd_epi16(_mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8)), b16);
-  }
+inline __m256i offset_weights(const KScales<QT>& s) {
+  if constexpr (QT == kQ6_K) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc));
+  const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
 }
 
 // out[i][j] = row (m0 + i) of x . weight row (n + j), for MR rows and NR weight rows (one row meets four
@@ -178,6 +180,7 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
       for (int l = 0; l < (bb + 63) / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * row_bytes + b * bb + 64 * l), _MM_HINT_T0);
       const KScales<QT> s = k_scales<QT>(block);
+      const __m256i offw = offset_weights<QT>(s);
       __m256i isum[MR][kChains];
       for (int i = 0; i < MR; ++i)
         for (int h = 0; h < kChains; ++h) isum[i][h] = _mm256_setzero_si256();
@@ -196,8 +199,8 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
         const float dx = a.d[xb];
         acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i][0]), acc[i][j]);
         const float f = (QT == kQ6_K ? 32.0f * s.d : s.dmin) * dx;
-        off[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(f),
-                                    _mm256_cvtepi32_ps(offset_terms<QT>(s, a.bsum16.data() + xb * 16)), off[i][j]);
+        const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + xb * 16));
+        off[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(_mm256_madd_epi16(offw, bsum)), off[i][j]);
       }
     }
   }
