@@ -1,6 +1,6 @@
-"""Tiny random Llama, Mistral (sliding window), Qwen2, Qwen3 and Gemma 3 models built from configs:
-Tandem's logits match transformers' within tolerance, through the packed prefill path and the paged
-decode path, on prompts longer than the sliding windows."""
+"""Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2, Qwen3 and Gemma 3
+models built from configs: Tandem's logits match transformers' within tolerance, through the packed
+prefill path and the paged decode path, on prompts longer than the sliding windows."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_l
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 CASES = {
     "llama": (LlamaForCausalLM, LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=10000.0)),
+    # Llama 3.1+'s RoPE scaling, its original context short enough that the test's positions see all
+    # three kinds of pair: kept (wavelength < 16), divided by the factor (> 64) and blended between.
+    "llama3-rope": (LlamaForCausalLM, LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=10000.0,
+                                                  rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                "original_max_position_embeddings": 64})),
     "llama-tied-mha": (LlamaForCausalLM, LlamaConfig(**{**COMMON, "num_key_value_heads": 4},
                                                       tie_word_embeddings=True)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, tie_word_embeddings=False)),
@@ -112,7 +118,7 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
             torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen3", "mistral-window", "gemma3"])
 def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     path, ref = build(kind, tmp_path)
     llm = make_llm(model=str(path), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16)

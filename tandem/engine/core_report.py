@@ -65,7 +65,7 @@ _TOTALS = ("num_preemptions", "prefix_queries", "prefix_hits", "num_prompt_token
 class CoreInfo:
     max_model_len: int
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # LoadedModel.end_token_ids
     num_blocks: int
     model_name: str
     max_num_seqs: int = 1
@@ -88,10 +88,9 @@ def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
     from tandem.engine.kv_layout import engine_kv_layout
     from tandem.model.linear import weight_bytes, weight_formats
 
-    eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cache = core.config.cache
     per_token = engine_kv_layout(core.config, loaded.arch).bytes_per_token(loaded.arch)
-    return CoreInfo(core.max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
+    return CoreInfo(core.max_model_len, loaded.arch.vocab_size, loaded.end_token_ids,
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
                     cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,
                     weight_bytes(loaded.model), per_token, weight_formats(loaded.model),

@@ -15,8 +15,7 @@ from tandem.sampling_params import SamplingParams
 
 
 def model_limits(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> ModelLimits:
-    eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    return ModelLimits(max_model_len, loaded.arch.vocab_size, eos if eos is not None else loaded.arch.eos_token_id,
+    return ModelLimits(max_model_len, loaded.arch.vocab_size, loaded.end_token_ids,
                        config.scheduler.max_num_batched_tokens, config.scheduler.enable_chunked_prefill)
 
 

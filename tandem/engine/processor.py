@@ -34,7 +34,7 @@ def check_encodable(text: str, param: str | None = None) -> None:
 class ModelLimits:
     max_model_len: int
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every token that ends a generation
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
 
@@ -92,13 +92,13 @@ class InputProcessor:
         self.validate(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
-            return [Request(request_id, prompt_ids, params, self.limits.eos_token_id, cache_salt, arrival)]
+            return [Request(request_id, prompt_ids, params, self.limits.eos_token_ids, cache_salt, arrival)]
         # The prompt is the same for every child, so only the first scores it (the parent's output
         # takes its logprobs); the others, not wanting them, may reuse its blocks from the prefix cache.
         return [Request(child_id(request_id, i), prompt_ids,
                         replace(params, n=1, seed=None if params.seed is None else params.seed + i,
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None),
-                        self.limits.eos_token_id, cache_salt, arrival)
+                        self.limits.eos_token_ids, cache_salt, arrival)
                 for i in range(params.n)]
 
 

@@ -46,7 +46,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's end tokens (LoadedModel.end_token_ids)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # vLLM's meaning: lower is served (and kept from preemption) first

@@ -58,8 +58,8 @@ class DraftRow:
         return self.request.num_output_tokens + self.offset
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.request.eos_token_id
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.request.eos_token_ids
 
 
 Row = Request | DraftRow
@@ -99,8 +99,8 @@ def _mask_min_tokens(logits: torch.Tensor, requests: list[Row]) -> None:
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
             stops = list(p.stop_token_ids)
-            if r.eos_token_id is not None and not p.ignore_eos:
-                stops.append(r.eos_token_id)
+            if not p.ignore_eos:
+                stops += r.eos_token_ids
             if stops:
                 logits[i, stops] = float("-inf")
 

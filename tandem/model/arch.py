@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.model.rope import rope_from_hf
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -31,11 +33,14 @@ class ArchConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    # Every token that ends a generation (Llama 3.x Instruct declares three; gpt-oss two).
+    eos_token_ids: tuple[int, ...] = ()
     # Per layer, its attention's sliding window (0: global); empty: every layer is global.
     layer_windows: tuple[int, ...] = ()
     rope_local_theta: float = 10000.0  # the RoPE base of the sliding-window layers (Gemma 3)
     rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
+    # Each rotary pair's frequency divisor (Llama 3's scaling, model/rope.py); empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
     attn_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
     final_softcap: float = 0.0  # > 0: logits capped at softcap * tanh(logit / softcap)
     hidden_act: str = "silu"  # the gated MLP's activation
@@ -72,12 +77,20 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise NotImplementedError(f"rope scaling {rope_type!r} is not supported yet")
-    return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+def token_ids(*values: Any) -> tuple[int, ...]:
+    """Token ids from config values that are an id, a list of ids or None, in order, each once."""
+    out: list[int] = []
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if t is not None and int(t) not in out:
+                out.append(int(t))
+    return tuple(out)
+
+
+def gguf_end_tokens(meta: dict[str, Any]) -> tuple[int, ...]:
+    """A GGUF file's end tokens: its eos, and the end-of-turn and end-of-message ids llama.cpp's converter
+    writes from the tokenizer's special tokens."""
+    return token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")))
 
 
 def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
@@ -88,7 +101,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
     arch = known[0]
     window = int(cfg.get("sliding_window") or 0) if arch == "mistral" else 0
     heads = cfg["num_attention_heads"]
-    eos = cfg.get("eos_token_id")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta, linear, factors = rope_from_hf(cfg, head_dim)
     return ArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -97,15 +111,17 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=theta,
+        rope_scaling_factor=linear,
+        rope_freq_factors=factors,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        eos_token_ids=token_ids(cfg.get("eos_token_id")),
         layer_windows=(window,) * cfg["num_hidden_layers"] if window else (),
     )
 
@@ -145,5 +161,5 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
         qkv_bias=has_qkv_bias,
         qk_norm=arch == "qwen3",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        eos_token_ids=gguf_end_tokens(meta),
     )

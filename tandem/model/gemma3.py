@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.model.arch import ArchConfig
+from tandem.model.arch import ArchConfig, gguf_end_tokens, token_ids
 from tandem.model.attention import AttentionMetadata
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -133,7 +133,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 131072),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True), qkv_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=True, bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        qk_norm=True, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=token_ids(eos),
         layer_windows=_layer_windows(cfg.get("layer_types"), layers, int(cfg.get("sliding_window") or 4096),
                                      int(cfg.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN)),
         rope_local_theta=local, rope_scaling_factor=factor,
@@ -168,7 +168,7 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(get("rope.freq_base")),
         max_position_embeddings=int(get("context_length", 131072)), tie_word_embeddings=not has_output_weight,
         qkv_bias=has_qkv_bias, qk_norm=True, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        eos_token_ids=gguf_end_tokens(meta),
         layer_windows=_layer_windows(None, layers, int(get("attention.sliding_window")), SLIDING_WINDOW_PATTERN),
         rope_local_theta=10_000.0, rope_scaling_factor=factor, attn_scale=scalar ** -0.5,
         final_softcap=float(meta.get("gemma3.final_logit_softcapping") or 0.0),

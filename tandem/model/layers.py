@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem.model.arch import ArchConfig
 from tandem.model.linear import DENSE, Linear, LinearMethod
+from tandem.model.rope import inv_freq
 from tandem.ops import fused
 
 
@@ -33,15 +34,17 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
-                 linear_factor: float = 1.0) -> None:
-        """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear")."""
+                 linear_factor: float = 1.0, freq_factors: tuple[float, ...] = ()) -> None:
+        """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear");
+        freq_factors: each pair's divisor (Llama 3's scaling, model/rope.py)."""
         super().__init__()
         # On the CPU even while a model is built on the meta device: a meta-device division imports
         # torch._dynamo (2-3 s of every start-up); the table is a few MiB, moved by init_buffers.
         cpu = torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
-        inv_freq = inv_freq / linear_factor
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), inv_freq)
+        freq = inv_freq(head_dim, theta) / linear_factor
+        if freq_factors:
+            freq = freq / torch.tensor(freq_factors, dtype=torch.float32, device=cpu)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
@@ -51,7 +54,8 @@ class RotaryEmbedding(nn.Module):
         """The model's table; local: the sliding-window layers' own (Gemma 3: another base, unscaled)."""
         if local:
             return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, dtype)
-        return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor)
+        return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor,
+                   cfg.rope_freq_factors)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, D] for a step's positions (looked up once per step, used by every layer)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tandem.config import QUANTIZATION_CHOICES
 from tandem.logs import startup
-from tandem.model.arch import ArchConfig
+from tandem.model.arch import ArchConfig, token_ids
 from tandem.model.block_formats import native_format
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
@@ -41,6 +41,11 @@ class LoadedModel:
     path: Path
     name: str
 
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """What ends a generation: the tokenizer's eos first, then every end token the model declares."""
+        return token_ids(getattr(self.tokenizer, "eos_token_id", None), self.arch.eos_token_ids)
+
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -53,6 +58,7 @@ _GGUF_NAMES = {
     "token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's converter writes Llama 3's RoPE scaling as this tensor
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -100,6 +106,10 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
     with _progress() as progress:
         task = progress.add_task(path.name, total=len(tensors))
         for t in tensors:
+            if t.name == ROPE_FREQS:  # Llama 3's per-pair frequency divisors (model/rope.py), not a weight
+                arch = replace(arch, rope_freq_factors=tuple(np.asarray(t.data, dtype=np.float32).ravel().tolist()))
+                progress.advance(task)
+                continue
             fmt = native_format(t.tensor_type) if keep_quantized and len(t.data.shape) == 2 else None
             try:  # quantized rows come as uint8 [rows, blocks * block bytes]: row permutations apply to them
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
@@ -137,6 +147,13 @@ def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
         raise ModelLoadError(f"{config_file} is not a valid model config: {e}") from e
     except ValueError as e:
         raise ModelLoadError(f"{config_file}: {e}") from e
+    generation = path / "generation_config.json"
+    if generation.exists():  # its eos list is what generation stops on (Llama 3.x Instruct's three ids)
+        try:
+            extra = json.loads(generation.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{generation} is not valid JSON: {e}") from e
+        arch = replace(arch, eos_token_ids=token_ids(arch.eos_token_ids, extra))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no .safetensors weights")

@@ -117,7 +117,7 @@ class EngineClient(EngineLoad):
         assert self.info is not None
         self.step_budget = max_num_batched_tokens
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(
-            self.info.max_model_len, self.info.vocab_size, self.info.eos_token_id, max_num_batched_tokens,
+            self.info.max_model_len, self.info.vocab_size, self.info.eos_token_ids, max_num_batched_tokens,
             enable_chunked_prefill))
 
     def health(self) -> dict[str, Any]:

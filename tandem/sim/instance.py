@@ -56,7 +56,7 @@ class TokenEvent:
 def sim_request(request_id: str, prompt: list[int], max_tokens: int, arrival: float, tenant: str | None = None,
                 priority: int = 0) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id, prompt, params, eos_token_id=None, arrival_time=arrival, tenant=tenant,
+    return Request(request_id, prompt, params, eos_token_ids=(), arrival_time=arrival, tenant=tenant,
                    priority=priority)
 
 
