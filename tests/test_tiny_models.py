@@ -1,4 +1,4 @@
-"""Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2, Qwen3 and Gemma 3
+"""Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2 (YaRN too), Qwen3 and Gemma 3
 models built from configs: Tandem's logits match transformers' within tolerance, through the packed
 prefill path and the paged decode path, on prompts longer than the sliding windows."""
 
@@ -41,6 +41,10 @@ CASES = {
     "llama-tied-mha": (LlamaForCausalLM, LlamaConfig(**{**COMMON, "num_key_value_heads": 4},
                                                       tie_word_embeddings=True)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, tie_word_embeddings=False)),
+    # YaRN (how Qwen2.5 reaches its long context): a ramp over the pairs, cos / sin scaled.
+    "qwen2-yarn": (Qwen2ForCausalLM, Qwen2Config(**COMMON, tie_word_embeddings=False,
+                                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 64})),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)),
     "mistral-window": (MistralForCausalLM, MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False)),
     # Sliding layers (window 8: the prompts run past it) around a global one, each with its RoPE base;
@@ -118,7 +122,7 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
             torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen3", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2-yarn", "qwen3", "mistral-window", "gemma3"])
 def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     path, ref = build(kind, tmp_path)
     llm = make_llm(model=str(path), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16)

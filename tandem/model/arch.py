@@ -41,6 +41,7 @@ class ArchConfig:
     rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
     # Each rotary pair's frequency divisor (Llama 3's scaling, model/rope.py); empty: none.
     rope_freq_factors: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
     attn_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
     final_softcap: float = 0.0  # > 0: logits capped at softcap * tanh(logit / softcap)
     hidden_act: str = "silu"  # the gated MLP's activation
@@ -102,7 +103,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
     window = int(cfg.get("sliding_window") or 0) if arch == "mistral" else 0
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    theta, linear, factors = rope_from_hf(cfg, head_dim)
+    rope = rope_from_hf(cfg, head_dim)
     return ArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -113,9 +114,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling_factor=linear,
-        rope_freq_factors=factors,
+        rope_theta=rope.theta,
+        rope_scaling_factor=rope.linear_factor,
+        rope_freq_factors=rope.freq_factors,
+        rope_attention_factor=rope.attention_factor,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),

@@ -34,9 +34,11 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
-                 linear_factor: float = 1.0, freq_factors: tuple[float, ...] = ()) -> None:
+                 linear_factor: float = 1.0, freq_factors: tuple[float, ...] = (),
+                 attention_factor: float = 1.0) -> None:
         """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear");
-        freq_factors: each pair's divisor (Llama 3's scaling, model/rope.py)."""
+        freq_factors: each pair's divisor (Llama 3's and YaRN's scaling, model/rope.py); attention_factor:
+        cos and sin scaled by it (YaRN's)."""
         super().__init__()
         # On the CPU even while a model is built on the meta device: a meta-device division imports
         # torch._dynamo (2-3 s of every start-up); the table is a few MiB, moved by init_buffers.
@@ -46,8 +48,8 @@ class RotaryEmbedding(nn.Module):
             freq = freq / torch.tensor(freq_factors, dtype=torch.float32, device=cpu)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", (emb.cos() * attention_factor).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_factor).to(dtype), persistent=False)
 
     @classmethod
     def of(cls, cfg: ArchConfig, dtype: torch.dtype, local: bool = False) -> RotaryEmbedding:
@@ -55,7 +57,7 @@ class RotaryEmbedding(nn.Module):
         if local:
             return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, dtype)
         return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor,
-                   cfg.rope_freq_factors)
+                   cfg.rope_freq_factors, cfg.rope_attention_factor)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, D] for a step's positions (looked up once per step, used by every layer)."""

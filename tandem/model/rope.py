@@ -8,13 +8,18 @@ where the checkpoint scales its context:
   llama3    Llama 3.1+'s: pairs whose wavelength is shorter than original_max / high_freq_factor keep
             theirs, those longer than original_max / low_freq_factor are divided by `factor`, and the
             ones between blend the two (transformers' _compute_llama3_parameters, and the factors
-            llama.cpp's converter writes as the `rope_freqs` tensor of a GGUF file).
+            llama.cpp's converter writes as the `rope_freqs` tensor of a GGUF file);
+  yarn      YaRN (Qwen2.5's long context): a linear ramp between the pairs that rotate more than
+            beta_fast times over the original context (kept) and those that rotate less than
+            beta_slow times (divided by `factor`), and cos / sin scaled by an attention factor
+            (0.1 ln(factor) + 1 unless given; transformers' _compute_yarn_parameters).
 The factors are fixed per model, so a cached key means the same for every request.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,19 +49,59 @@ def llama3_factors(head_dim: int, theta: float, factor: float, low_freq_factor: 
     return tuple(out)
 
 
-def rope_from_hf(cfg: dict[str, Any], head_dim: int) -> tuple[float, float, tuple[float, ...]]:
-    """(theta, linear factor, per-pair factors) from a config.json: transformers 4's rope_scaling or
-    5's rope_parameters. NotImplementedError for a scaling not built yet."""
+def yarn(head_dim: int, theta: float, params: dict[str, Any], max_position: int) -> tuple[tuple[float, ...], float]:
+    """(each pair's divisor, the attention factor) under YaRN."""
+    original = int(params.get("original_max_position_embeddings") or max_position)
+    factor = float(params.get("factor") or max_position / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast, slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction(rotations: float) -> float:  # the pair index that rotates this many times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of a pair's own frequency (the rest is divided by the factor)
+    base = inv_freq(head_dim, theta)
+    scaled = base / factor * (1 - keep) + base * keep
+    return tuple((base / scaled).tolist()), float(attention)
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    linear_factor: float = 1.0
+    freq_factors: tuple[float, ...] = ()  # each pair's divisor
+    attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
+
+
+def rope_from_hf(cfg: dict[str, Any], head_dim: int) -> Rope:
+    """A config.json's RoPE: transformers 4's rope_scaling or 5's rope_parameters. NotImplementedError
+    for a scaling not built yet."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
     if kind == "default":
-        return theta, 1.0, ()
+        return Rope(theta)
     if kind == "linear":
-        return theta, float(params["factor"]), ()
+        return Rope(theta, float(params["factor"]))
     if kind == "llama3":
-        return theta, 1.0, llama3_factors(head_dim, theta, float(params["factor"]),
-                                          float(params.get("low_freq_factor", 1.0)),
-                                          float(params.get("high_freq_factor", 4.0)),
-                                          int(params["original_max_position_embeddings"]))
+        return Rope(theta, freq_factors=llama3_factors(
+            head_dim, theta, float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
+            float(params.get("high_freq_factor", 4.0)), int(params["original_max_position_embeddings"])))
+    if kind == "yarn":
+        factors, attention = yarn(head_dim, theta, params, int(cfg.get("max_position_embeddings", 4096)))
+        return Rope(theta, freq_factors=factors, attention_factor=attention)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
