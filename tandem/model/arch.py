@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.model.rope import rope_from_hf
+from tandem.model.rope import rope_from_gguf, rope_from_hf
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -147,6 +147,8 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
     head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                    or hidden // heads)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    context = int(get("context_length", 4096))
+    rope = rope_from_gguf(meta, arch, head_dim, context)
     return ArchConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -157,8 +159,11 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 4096)),
+        rope_theta=rope.theta,
+        rope_scaling_factor=rope.linear_factor,
+        rope_freq_factors=rope.freq_factors,
+        rope_attention_factor=rope.attention_factor,
+        max_position_embeddings=context,
         tie_word_embeddings=not has_output_weight,
         qkv_bias=has_qkv_bias,
         qk_norm=arch == "qwen3",

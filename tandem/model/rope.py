@@ -105,3 +105,24 @@ def rope_from_hf(cfg: dict[str, Any], head_dim: int) -> Rope:
         factors, attention = yarn(head_dim, theta, params, int(cfg.get("max_position_embeddings", 4096)))
         return Rope(theta, freq_factors=factors, attention_factor=attention)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
+
+
+def rope_from_gguf(meta: dict[str, Any], arch: str, head_dim: int, max_position: int) -> Rope:
+    """A GGUF file's RoPE from its `<arch>.rope.*` metadata, as llama.cpp's converter writes a config's
+    scaling (`rope.scaling.type` linear or yarn, `.factor`, `.original_context_length`, `.attn_factor`,
+    `.yarn_beta_fast` / `.yarn_beta_slow`); Llama 3's comes as the rope_freqs tensor (loader.py)."""
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    key = f"{arch}.rope.scaling."
+    kind = str(meta.get(key + "type", "none"))
+    if kind == "none":
+        return Rope(theta)
+    factor = float(meta.get(key + "factor", 1.0))
+    if kind == "linear":
+        return Rope(theta, factor)
+    if kind == "yarn":
+        params = {"factor": factor, "original_max_position_embeddings": meta.get(key + "original_context_length"),
+                  "attention_factor": meta.get(key + "attn_factor"), "beta_fast": meta.get(key + "yarn_beta_fast"),
+                  "beta_slow": meta.get(key + "yarn_beta_slow")}
+        factors, attention = yarn(head_dim, theta, params, max_position)
+        return Rope(theta, freq_factors=factors, attention_factor=attention)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")

@@ -1,7 +1,8 @@
-"""Llama 3.1+ checkpoints: their RoPE scaling (rope_type "llama3") from a Hugging Face directory and from
-a GGUF file as llama.cpp's converter writes it (the scaling as the `rope_freqs` tensor, q/k rows in its
-interleaved order), served greedily as transformers serves the same weights; and generation ends on
-every end token a model declares (Llama 3.x Instruct declares three)."""
+"""RoPE scaling as checkpoints declare it, served greedily as transformers serves the same weights: Llama
+3.1+'s (rope_type "llama3") from a Hugging Face directory and from a GGUF file as llama.cpp's converter
+writes it (the scaling as the `rope_freqs` tensor, q/k rows in its interleaved order), and Qwen2.5's
+YaRN from a GGUF file's rope.scaling metadata (from a directory: tests/test_tiny_models.py). And
+generation ends on every end token a model declares (Llama 3.x Instruct declares three)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, random_hf_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem import SamplingParams
@@ -39,43 +40,54 @@ def interleave(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ref: torch.nn.Module, path: Path, end_tokens: tuple[int, int, int] | None = None) -> None:
-    """The weights in llama.cpp's llama layout, float32, with the scaling as the frequency divisors that
-    transformers' own llama3 initialiser implies (its default frequencies over its scaled ones);
-    end_tokens: the tokenizer metadata's eos, eot and eom ids."""
+def write_gguf(ref: torch.nn.Module, path: Path, end_tokens: tuple[int, int, int] | None = None,
+               scaling: dict[str, object] | None = None) -> None:
+    """The weights in llama.cpp's layout (llama, or qwen2 with its biases), float32. Llama 3's scaling
+    as the frequency divisors that transformers' own llama3 initialiser implies (its default frequencies
+    over its scaled ones); `scaling`: rope.scaling metadata instead (qwen2's YaRN); end_tokens: the
+    tokenizer metadata's eos, eot and eom ids."""
     cfg = ref.config
-    w = gguf.GGUFWriter(path, "llama")
+    arch = "qwen2" if isinstance(ref, Qwen2ForCausalLM) else "llama"
+    w = gguf.GGUFWriter(path, arch)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
     for key, value in {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
                        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
                        "attention.head_count": cfg.num_attention_heads,
                        "attention.head_count_kv": cfg.num_key_value_heads, "vocab_size": VOCAB,
-                       "rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads}.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+                       "rope.dimension_count": head_dim}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     if end_tokens is not None:  # eos, end of turn, end of message
         w.add_eos_token_id(end_tokens[0])
         w.add_eot_token_id(end_tokens[1])
         w.add_eom_token_id(end_tokens[2])
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
-    w.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
-    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if scaling is not None:
+        for key, value in scaling.items():
+            (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
+                f"{arch}.rope.scaling.{key}", value)
+    elif arch == "llama":
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        w.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, t in ref.state_dict().items():
         name, t = name.removeprefix("model."), t.float().numpy()
         if name in names:
-            w.add_tensor(names[name], t)
+            if name != "lm_head.weight" or not cfg.tie_word_embeddings:
+                w.add_tensor(names[name], t)
         elif name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            module = rest.removesuffix(".weight")
-            if module == "self_attn.q_proj":
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module == "self_attn.q_proj":
                 t = interleave(t, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
+            elif arch == "llama" and module == "self_attn.k_proj":
                 t = interleave(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{layer[module]}.weight", np.ascontiguousarray(t))
+            w.add_tensor(f"blk.{i}.{layer[module]}.{kind}", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -142,3 +154,21 @@ def test_a_gguf_files_end_of_turn_and_message_tokens_end_generation(model, tmp_p
     assert llm.engine.loaded.end_token_ids == (unused[0], unused[1], full[cut])
     [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     assert out.outputs[0].token_ids == full[:cut + 1] and out.outputs[0].finish_reason == "stop"
+
+
+def test_yarn_from_a_gguf_files_metadata_is_transformers(tmp_path: Path, make_llm) -> None:  # noqa: ANN001
+    """Qwen2.5's YaRN as llama.cpp's converter writes it (rope.scaling.type, factor, original context)."""
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                      tie_word_embeddings=False)
+    _, ref = random_hf_model(Qwen2ForCausalLM, cfg, tmp_path / "hf")
+    path = tmp_path / "yarn.gguf"
+    write_gguf(ref, path, scaling={"type": "yarn", "factor": 4.0, "original_context_length": 64})
+    llm = make_llm(model=str(path), dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    assert llm.engine.loaded.arch.rope_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    gen = np.random.default_rng(6)
+    prompts = [gen.integers(0, VOCAB, n).tolist() for n in (5, 40, 90)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref, p, 16)
