@@ -172,3 +172,13 @@ def test_yarn_from_a_gguf_files_metadata_is_transformers(tmp_path: Path, make_ll
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(ref, p, 16)
+
+
+def test_scalings_not_built_yet_are_refused_by_name() -> None:
+    from tandem.model.rope import rope_from_hf
+
+    for cfg, name in (({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+                      ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+                      ({"partial_rotary_factor": 0.5}, "partial_rotary_factor")):
+        with pytest.raises(NotImplementedError, match=name):
+            rope_from_hf(cfg, 64)

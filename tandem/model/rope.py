@@ -93,6 +93,9 @@ def rope_from_hf(cfg: dict[str, Any], head_dim: int) -> Rope:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise NotImplementedError("rotary dimensions narrower than head_dim (partial_rotary_factor) are not "
+                                  "supported yet")
     if kind == "default":
         return Rope(theta)
     if kind == "linear":
