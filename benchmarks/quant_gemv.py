@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from quantization import best
 from rich.console import Console
 from rich.table import Table
 
@@ -63,19 +63,9 @@ def random_blocks(fmt: BlockFormat, out_features: int, in_features: int, seed: i
     return torch.from_numpy(data.reshape(out_features, nb * fmt.block_bytes))
 
 
-def best_seconds(fn, reps: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def bandwidth() -> float:
     buf = torch.ones(1 << 30, dtype=torch.uint8)
-    return buf.numel() / best_seconds(lambda: torch.ops.tandem.stream_read(buf), 7)
+    return buf.numel() / best(lambda: torch.ops.tandem.stream_read(buf), reps=7, min_s=0.0)
 
 
 def cycled(make, nbytes: int) -> list:  # noqa: ANN001
@@ -90,7 +80,7 @@ def kernel_rate(weights: list, call, x: torch.Tensor, nbytes: int) -> float:  # 
         for w in weights:
             call(x, w)
 
-    return nbytes * len(weights) / best_seconds(run, 3)
+    return nbytes * len(weights) / best(run, reps=3, min_s=0.0)
 
 
 def main() -> None:

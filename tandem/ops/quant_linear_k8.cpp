@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "int8_blocks.h"
 
 namespace tandem_ops {
 namespace {
@@ -43,44 +44,21 @@ struct Q8K {
   int64_t nb = 0;
 };
 
-template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, int16_t* bsum) {
-  for (int64_t b = 0; b < K / kSuper; ++b) {
-    const T* xb = x + b * kSuper;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
-    const float scale = amax / 127.0f;
-    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (int64_t g = 0; g < 16; ++g) {
-      int32_t sum = 0;
-      for (int64_t i = 16 * g; i < 16 * g + 16; ++i) {
-        // nearbyint rounds half to even, as torch.round does in the fallback.
-        const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(xb[i]) * inv));
-        q[b * kSuper + i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      bsum[b * 16 + g] = static_cast<int16_t>(sum);
-    }
-    d[b] = scale;
-  }
-}
-
 Q8K quantize_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   Q8K r;
   r.nb = K / kSuper;
-  r.q.resize(M * K);
-  r.d.resize(M * r.nb);
-  r.bsum16.resize(M * r.nb * 16);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      int8_t* q = r.q.data() + m * K;
-      float* d = r.d.data() + m * r.nb;
-      int16_t* s = r.bsum16.data() + m * r.nb * 16;
-      if (x.scalar_type() == at::kFloat) {
-        quantize_row(x.data_ptr<float>() + m * K, K, q, d, s);
-      } else {
-        quantize_row(x.data_ptr<at::BFloat16>() + m * K, K, q, d, s);
+  r.q.resize(x.size(0) * K);
+  r.d.resize(x.size(0) * r.nb);
+  r.bsum16.resize(x.size(0) * r.nb * 16);
+  int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
+    for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
+      int8_t* q = r.q.data() + b * kSuper;
+      r.d[b] = int8_blocks::quantize_block(row + (b - m * r.nb) * kSuper, kSuper, q);
+      for (int64_t g = 0; g < 16; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = 16 * g; i < 16 * g + 16; ++i) sum += q[i];
+        r.bsum16[b * 16 + g] = static_cast<int16_t>(sum);
       }
     }
   });
@@ -286,23 +264,6 @@ at::Tensor k_quant_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t q
     default: TORCH_CHECK(false, "k_quant_linear_q8: not a K-quant: ", qtype);
   }
   return y;
-}
-
-at::Tensor k_quant_roundtrip(const at::Tensor& x_in) {
-  const int64_t K = x_in.size(-1);
-  TORCH_CHECK(K % kSuper == 0, "q8_roundtrip: K-quant activations need a multiple of 256 features, got ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
-  if (M > 0) {
-    const Q8K a = quantize_rows(x);
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, M * a.nb, 64, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t k = 0; k < kSuper; ++k) op[b * kSuper + k] = a.d[b] * static_cast<float>(a.q[b * kSuper + k]);
-    });
-  }
-  return out.view(x_in.sizes());
 }
 
 }  // namespace tandem_ops

@@ -13,7 +13,4 @@ bool is_k_quant(int64_t qtype);
 // x [M, in_features] (float32 or bfloat16, contiguous) times the blocks of w: float32 [M, out_features].
 at::Tensor k_quant_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t in_features);
 
-// x as its per-256 int8 quantization stands for it, in float32.
-at::Tensor k_quant_roundtrip(const at::Tensor& x);
-
 }  // namespace tandem_ops

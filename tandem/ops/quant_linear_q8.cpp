@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "int8_blocks.h"
 #include "quant_linear_k8.h"
 
 namespace tandem_ops {
@@ -46,43 +47,20 @@ struct QuantizedRows {
   int64_t nb = 0;
 };
 
-template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < K / kChunk; ++b) {
-    const T* xb = x + b * kChunk;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
-    const float scale = amax / 127.0f;
-    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kChunk; ++i) {
-      // nearbyint rounds half to even, as torch.round does in the fallback.
-      const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(xb[i]) * inv));
-      q[b * kChunk + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
-  }
-}
-
 QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   QuantizedRows r;
   r.nb = K / kChunk;
-  r.q.resize(M * K);
-  r.d.resize(M * r.nb);
-  r.s.resize(M * r.nb);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      int8_t* q = r.q.data() + m * K;
-      float* d = r.d.data() + m * r.nb;
-      float* s = r.s.data() + m * r.nb;
-      if (x.scalar_type() == at::kFloat) {
-        quantize_row(x.data_ptr<float>() + m * K, K, q, d, s);
-      } else {
-        quantize_row(x.data_ptr<at::BFloat16>() + m * K, K, q, d, s);
-      }
+  r.q.resize(x.size(0) * K);
+  r.d.resize(x.size(0) * r.nb);
+  r.s.resize(x.size(0) * r.nb);
+  int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
+    for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
+      int8_t* q = r.q.data() + b * kChunk;
+      r.d[b] = int8_blocks::quantize_block(row + (b - m * r.nb) * kChunk, kChunk, q);
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
+      r.s[b] = r.d[b] * static_cast<float>(sum);
     }
   });
   return r;
@@ -221,26 +199,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
   return finish_output(y, x_in, bias);
 }
 
-at::Tensor q8_roundtrip(const at::Tensor& x_in, int64_t block) {
-  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-              "q8_roundtrip: x must be float32 or bfloat16 on the CPU");
-  TORCH_CHECK(block == kChunk || block == 256, "q8_roundtrip: block must be 32 or 256, got ", block);
-  if (block == 256) return k_quant_roundtrip(x_in);
-  const int64_t K = x_in.size(-1);
-  TORCH_CHECK(K % kChunk == 0, "q8_roundtrip: the last dimension must be a multiple of 32, got ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
-  if (M > 0) {
-    const QuantizedRows a = quantize_rows(x);
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, M * a.nb, 256, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t k = 0; k < kChunk; ++k) op[b * kChunk + k] = a.d[b] * static_cast<float>(a.q[b * kChunk + k]);
-    });
-  }
-  return out.view(x_in.sizes());
-}
+at::Tensor q8_roundtrip(const at::Tensor& x_in, int64_t block) { return int8_blocks::roundtrip(x_in, block); }
 
 }  // namespace
 }  // namespace tandem_ops
