@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,13 +38,13 @@ from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.prediction import Predictor
 from tandem.disagg.registry import WorkerHandle, WorkerRegistry
 from tandem.disagg.restarts import Restarter
+from tandem.disagg.router_view import cluster_view
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
 from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
-from tandem.engine.worker_view import host_name, worker_entry
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
@@ -170,28 +169,8 @@ class DisaggEngine(EngineClient):
         return self.dead is None and bool(self.registry.live())
 
     def cluster(self) -> dict[str, Any]:
-        c = self.counters
-        workers = []
-        for w in self.registry.workers.values():
-            if w.draining and not w.alive:
-                continue  # retired by the planner: its cores went to another worker
-            state = "dead" if not w.alive else ("draining" if w.draining else "up")
-            t = w.stats.transfer if w.stats is not None else None
-            blocks = c.prompt_blocks.get(w.worker_id, 0)
-            workers.append(worker_entry(
-                w.worker_id, w.role, state, w.info.pid, w.info.host, w.info.cores,
-                w.stats.core if w.stats is not None else None, in_flight=len(w.inflight),
-                requests_routed=c.requests.get(w.worker_id, 0),
-                routed_overlap_rate=c.overlap_blocks.get(w.worker_id, 0) / blocks if blocks else None,
-                kv_bytes_sent=t.bytes_sent if t else 0, kv_bytes_received=t.bytes_received if t else 0))
-        router = {"id": "router", "address": self.address, "pid": os.getpid(), "host": host_name(),
-                  "in_flight": len(self.flights), "routed": dict(c.routed), "retries": c.retries,
-                  "fallbacks": c.fallbacks, "worker_deaths": c.worker_deaths, "restarts": self.restarter.count}
-        transfers = [{"from": src, "to": dst, "count": n, "bytes": nbytes}
-                     for (src, dst), (n, nbytes) in sorted(c.transfers.items())]
-        planner = self.planning.view() if self.planning is not None else None
-        return {"mode": "disaggregated", "router": router, "workers": workers, "transfers": transfers,
-                "planner": planner}
+        return cluster_view(self.registry, self.counters, self.address, len(self.flights), self.restarter.count,
+                            self.planning)
 
     def cached_blocks(self, keys: list[int]) -> int:
         """The most of the prompt's blocks any live worker holds (its KV events and recent routes)."""

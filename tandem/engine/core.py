@@ -19,10 +19,10 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
-from tandem.engine.scheduler import Scheduler, SchedulerStats
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts
 from tandem.engine.speed import SpeedTracker, StepSpeed
-from tandem.engine.step import SchedulerOutput
+from tandem.engine.step import SchedulerOutput, SchedulerStats
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.block_pool import BlockEvent
 from tandem.logs import startup

@@ -21,7 +21,7 @@ from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.fair_queue import FairQueue, order_key
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.step import ScheduledRequest, SchedulerOutput
+from tandem.engine.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 from tandem.kv.block_pool import BlockEvent
 from tandem.kv.manager import KVCacheManager
 
@@ -40,20 +40,6 @@ class _Step:
 
     def remove(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    num_used_blocks: int
-    num_blocks: int
-    num_waiting_prompt_tokens: int
-    num_decoding: int
 
 
 class Scheduler:
@@ -386,27 +372,13 @@ class Scheduler:
             kept = tokens
             for i, token in enumerate(tokens):
                 request.append_output_token(token)
-                status = self._check_stop(request, token)
+                status = request.stop_status(token, self.max_model_len)
                 if status is not None:
                     self._finish(request, status)
                     kept = tokens[:i + 1]
                     break
             changed.append((request, kept))
         return changed
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def stats(self) -> SchedulerStats:
         usage = self.kv.usage()

@@ -1,6 +1,7 @@
 """A scheduled step, as the scheduler hands it to the runner and the KV connector: which requests
-compute how many new tokens into which blocks, and the connector's plan for the step. Below both
-the scheduler and the connector, so that neither imports the other for it."""
+compute how many new tokens into which blocks, and the connector's plan for the step; and the
+scheduler's counters after it (SchedulerStats). Below both the scheduler and the connector, so that
+neither imports the other for it."""
 
 from __future__ import annotations
 
@@ -42,3 +43,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_used_blocks: int
+    num_blocks: int
+    num_waiting_prompt_tokens: int
+    num_decoding: int
