@@ -57,19 +57,18 @@ TANDEM_SERVERS = {  # name -> its `tandem serve` flags
     "tandem-int8kv": ["--quantization", "gguf", "--kv-cache-dtype", "int8"],
     "tandem-dense": ["--quantization", "none"],  # dequantized to --dtype auto (bf16 where native: the default)
 }
-# Tandem's shipped admission (queue) serves these loads whole, as llama-server does.
-TANDEM_COMMON: list[str] = []
 SLOT_CONTEXT = 2304  # the longest request (2,048 + 64) and then some
 
 
 def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
+    """Tandem with its shipped admission (queue), which serves these loads whole as llama-server does."""
     model = str(args.model or default_model_path())
     if name == "llama.cpp":
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
                 "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT), "--no-webui"]
     flags = TANDEM_SERVERS[name]
     return [tandem_exe(), "--log-level", "WARNING", "serve", "--port", str(port), "--dtype", "auto", *flags,
-            *TANDEM_COMMON, "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS), model,
+            "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS), model,
             *shlex.split(args.tandem_args)]
 
 
