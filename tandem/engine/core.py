@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine import step_time_cache
 from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
@@ -31,6 +33,7 @@ from tandem.model.fingerprint import weights_fingerprint
 from tandem.ops.extension import extension_error, extension_isa, load_extension
 from tandem.parallel.shm import GroupFailed
 from tandem.speculative.decoder import SpecDecoder
+from tandem.speculative.policy import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +157,15 @@ class EngineCore:
             return None
         cost = None
         if spec.adaptive:
-            counts = profiled_counts(spec.num_speculative_tokens,
-                                     min(config.scheduler.max_num_batched_tokens, self.max_model_len))
-            cost = profile_step_cost(self.runner, counts)
+            key = self._profile_key("spec-step-cost")
+            stored = step_time_cache.load(key)
+            if stored is not None:
+                cost = StepCost(np.asarray(stored["tokens"], dtype=np.float64), np.asarray(stored["seconds"]))
+            else:
+                counts = profiled_counts(spec.num_speculative_tokens,
+                                         min(config.scheduler.max_num_batched_tokens, self.max_model_len))
+                cost = profile_step_cost(self.runner, counts)
+                step_time_cache.save(key, {"tokens": cost.tokens.tolist(), "seconds": cost.seconds.tolist()})
             log.info("speculative decoding (%s, up to %d drafts): step cost %s", spec.method,
                      spec.num_speculative_tokens, ", ".join(f"{int(n)}: {s * 1e3:.1f} ms"
                                                             for n, s in zip(cost.tokens, cost.seconds, strict=True)))
@@ -165,11 +174,23 @@ class EngineCore:
     def profile_speed(self) -> StepSpeed:
         """Time this engine's steps (a second or two), so that a server can predict its deadlines."""
         sc = self.config.scheduler
-        speed = profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
-                              self.max_model_len)
+        key = self._profile_key("step-speed")
+        stored = step_time_cache.load(key)
+        if stored is not None:
+            profile_step_cost(self.runner, [1, 16])  # the profile's warm-up: first passes create kernels
+            speed = StepSpeed(*(tuple(stored[f]) for f in ("prompt_tokens", "prompt_s", "decode_rows", "decode_s")))
+        else:
+            speed = profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
+                                  self.max_model_len)
+            step_time_cache.save(key, asdict(speed))
         self.speed = SpeedTracker(speed)
-        startup.info("step times: %s", speed.describe())
+        startup.info("step times%s: %s", " (as measured by an earlier start with this key)" if stored else "",
+                     speed.describe())
         return speed
+
+    def _profile_key(self, kind: str) -> str:
+        return step_time_cache.profile_key(kind, self.config, self.block_key_extra[0], self.num_blocks,
+                                           self.max_model_len)
 
     @property
     def num_blocks(self) -> int:

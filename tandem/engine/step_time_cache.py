@@ -1,0 +1,97 @@
+"""Step times measured once per machine, model and settings, and reused by the next start.
+
+Timing the engine's steps (spec_profile.py) costs a server 2-5 s at every start on two cores, and
+more on a slow one, for numbers that only change when something they depend on changes. A profile is
+kept under the cache directory, keyed by everything that sets a step's time: the model's weights
+(its fingerprint) and dtype, the engine's settings, the threads, the kernels' build (which names the
+CPU's features) and the CPU model. A server that restarts with the same key reads it back. What the
+key cannot see (another process now sharing the cores) is what the live correction factor already
+follows (speed.py SpeedTracker), so an entry older than MAX_AGE_S is measured again rather than
+trusted for ever. Deleting the directory forces a new measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.cache import cache_dir
+from tandem.config import EngineConfig
+from tandem.ops.extension import build_dir, kernels_disabled
+
+log = logging.getLogger(__name__)
+
+MAX_AGE_S = 7 * 24 * 3600
+# Environment that changes which kernels run (secrets and paths stay out of the key).
+_KEYED_ENV = ("TANDEM_DISABLE_KERNELS", "TANDEM_KERNEL_CFLAGS", "TANDEM_NATIVE_LAYERS", "TANDEM_QUANT_GEMM_ROWS")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _code_stamp() -> str:
+    """The package's Python sources as installed (names, sizes, modification times): a change to the
+    code that runs a step is a new key, as a change to the kernels' sources is a new build."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        st = path.stat()
+        h.update(f"{path.relative_to(root)} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def profile_key(kind: str, config: EngineConfig, fingerprint: int, num_blocks: int, max_model_len: int) -> str:
+    """The key of one profile kind for this engine (fingerprint: its weights', model/fingerprint.py)."""
+    parts = {
+        "kind": kind, "code": _code_stamp(), "torch": torch.__version__, "fingerprint": fingerprint,
+        "model": [str(config.model.dtype), config.model.quantization, config.model.deterministic],
+        "cache": [config.cache.block_size, config.cache.kv_cache_dtype, num_blocks, max_model_len],
+        "scheduler": repr(config.scheduler), "parallel": repr(config.parallel),
+        "speculative": repr(config.speculative), "threads": torch.get_num_threads(),
+        "kernels": "off" if kernels_disabled() else build_dir().name, "cpu": _cpu_model(),
+        "env": {k: os.environ.get(k) for k in _KEYED_ENV},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / "step-times" / f"{key}.json"
+
+
+def load(key: str) -> dict | None:
+    """A stored profile younger than MAX_AGE_S, or None."""
+    path = _path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or time.time() - float(data.get("measured_at", 0)) > MAX_AGE_S:
+        return None
+    return data.get("profile")
+
+
+def save(key: str, profile: dict) -> None:
+    """Store a profile (atomically: another process may read or write the same key)."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"measured_at": time.time(), "profile": profile}))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a measurement, nothing more
+        log.debug("could not store step times in %s: %s", path, e)

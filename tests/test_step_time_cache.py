@@ -1,0 +1,81 @@
+"""Step times are measured once per machine, model and settings, and read back by the next start
+(engine/step_time_cache.py): what changes a step's time is a new key, and a stale entry is measured
+again."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_served_model import tiny_served_model
+
+import tandem.engine.core as core_module
+from tandem.engine import step_time_cache
+
+
+@pytest.fixture
+def counted_profiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    measure = core_module.profile_speed
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "profile_speed", counted)
+    return calls
+
+
+def test_a_second_start_reads_the_first_starts_step_times(make_llm, counted_profiles: list[int], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_llm(model=str(tiny_served_model()), dtype="float32", kv_cache_memory=0.0625).engine.core
+    # After the engine is built: the kernels' build lives under the same directory.
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    first = core.profile_speed()
+    assert counted_profiles == [1]
+    assert len(list((tmp_path / "step-times").glob("*.json"))) == 1
+    again = core.profile_speed()  # the same engine, settings and machine: the same key
+    assert counted_profiles == [1] and again == first
+
+    # Older than MAX_AGE_S: measured again (what the key cannot see may have changed).
+    (entry,) = (tmp_path / "step-times").glob("*.json")
+    data = json.loads(entry.read_text())
+    data["measured_at"] = time.time() - step_time_cache.MAX_AGE_S - 1
+    entry.write_text(json.dumps(data))
+    core.profile_speed()
+    assert counted_profiles == [1, 1]
+    # An unreadable entry is measured again too, and replaced.
+    entry.write_text("{not json")
+    core.profile_speed()
+    assert counted_profiles == [1, 1, 1] and json.loads(entry.read_text())["profile"]["decode_rows"]
+
+
+def test_what_sets_a_steps_time_is_in_the_key(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_llm(model=str(tiny_served_model()), dtype="float32", kv_cache_memory=0.0625).engine.core
+    config = core.config
+
+    def key(cfg=config, fingerprint: int = 1, num_blocks: int = 64, max_model_len: int = 512) -> str:  # noqa: ANN001
+        return step_time_cache.profile_key("step-speed", cfg, fingerprint, num_blocks, max_model_len)
+
+    base = key()
+    assert key() == base
+    others = [
+        key(fingerprint=2), key(num_blocks=65), key(max_model_len=256),
+        key(replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=64))),
+        key(replace(config, model=replace(config.model, dtype=torch.bfloat16))),
+        key(replace(config, cache=replace(config.cache, kv_cache_dtype="int8"))),
+        step_time_cache.profile_key("spec-step-cost", config, 1, 64, 512),
+    ]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        others.append(key())
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
+    others.append(key())
+    assert base not in others and len(set(others)) == len(others)
