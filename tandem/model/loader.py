@@ -110,7 +110,9 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
                 arch = replace(arch, rope_freq_factors=tuple(np.asarray(t.data, dtype=np.float32).ravel().tolist()))
                 progress.advance(task)
                 continue
-            fmt = native_format(t.tensor_type) if keep_quantized and len(t.data.shape) == 2 else None
+            # Native formats go through the blocks either way: their dequantization (kernel or torch,
+            # both equal to gguf-py's) is ~10x faster than gguf-py's numpy for the formats it has.
+            fmt = native_format(t.tensor_type) if len(t.data.shape) == 2 else None
             try:  # quantized rows come as uint8 [rows, blocks * block bytes]: row permutations apply to them
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError) as e:
@@ -122,7 +124,8 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
                     array = unpermute_rope(array, arch.num_kv_heads)
             name = gguf_to_hf_name(t.name, family)
             if fmt is not None:
-                weights[name] = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
+                blocks = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
+                weights[name] = blocks if keep_quantized else blocks.dequantize()
             else:
                 if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
                     array = array.copy()
@@ -183,6 +186,25 @@ def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.de
     return "none" if packing_supported(device, dtype) else "gguf"
 
 
+def materialize(net: torch.nn.Module, device: str | torch.device) -> None:
+    """Module.to_empty with plain torch.empty: to_empty goes through torch's Python reference of
+    empty_like, whose first use imports sympy (~0.3-0.45 s of every engine process's start). A tensor
+    shared by two modules stays shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(fresh, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fresh
+        return made[id(t)]
+
+    for module in net.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = empty(t)
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
                quantization: str = "gguf", shard: Shard | None = None) -> LoadedModel:
     """quantization: "gguf" serves a GGUF file's weights as stored where their format has kernels
@@ -219,7 +241,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
         net = cls(local, dtype, methods)
-    net = net.to_empty(device=device)
+    materialize(net, device)
     net.init_buffers(device)  # the rotary tables are computed, not loaded: on the real device
     net.load_weights(weights)
     net.fingerprint = fingerprint
