@@ -35,6 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.logs import startup
     from tandem.model_path import DEFAULT_MODEL_NAME
     from tandem.serve.api import ServerSettings, build_app
+    from tandem.serve.async_engine import AsyncEngine
     from tandem.serve.startup import AnnouncingServer, check_memory, check_port
     from tandem.slo import Slo
     from tandem.tokenizer import load_tokenizer
@@ -74,14 +75,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
     startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                                                      router=cluster))
-    tokenizer = load_tokenizer(args.model)
-    engine = None
     if cluster:
+        tokenizer = load_tokenizer(args.model)
         engine = disaggregated_engine(args, config, tokenizer)
         startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
                      args.decode_workers, args.workers)
     else:
         startup.info("starting the engine core process")
+        # Launched before this process loads its tokenizer: the core's start overlaps it.
+        engine = AsyncEngine(config, None, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
+                             profile_speed=settings.admission.predicts)
+        engine.launch()
+        tokenizer = load_tokenizer(args.model)
+        engine.attach_tokenizer(tokenizer)
     app = build_app(config, settings, tokenizer, engine)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.

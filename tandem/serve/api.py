@@ -18,7 +18,7 @@ import tandem
 from tandem.config import EngineConfig
 from tandem.serve.admin_routes import AdminState, TokenizerState, admin_router, tokenizer_router
 from tandem.serve.app_state import Live, Started, TextSide
-from tandem.serve.async_engine import AsyncEngine, EngineClient
+from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers, key_salts
 from tandem.serve.dashboard import mount_dashboard
 from tandem.serve.errors import install_error_handlers
@@ -35,12 +35,9 @@ __all__ = ["ServerSettings", "build_app"]
 
 
 def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None,
-              engine: EngineClient | None = None) -> FastAPI:
-    """The OpenAI API over an engine: by default one local engine core; pass another EngineClient
-    (the disaggregated router) to serve the same API in front of it."""
-    if engine is None:
-        engine = AsyncEngine(config, tokenizer, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
-                             profile_speed=settings.admission.predicts)
+              engine: EngineClient) -> FastAPI:
+    """The OpenAI API over an engine: one local engine core (AsyncEngine) or the disaggregated router;
+    the lifespan starts it (or waits for the core process it launched already)."""
     salts = key_salts(settings.api_keys)
     fields = UnknownFields(settings.reject_unknown_fields)
     text = TextSide.build(tokenizer, settings)

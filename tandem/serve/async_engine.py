@@ -64,12 +64,17 @@ class EngineClient(EngineLoad):
     abort, report health and stats. AsyncEngine drives one local core; the disaggregated router
     (tandem.disagg.router) drives a cluster of workers behind the same interface."""
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def attach_tokenizer(self, tokenizer: Any | None) -> None:
+        """The text side's tokenizer: given at construction, or later by a server that launched its core
+        before loading it (AsyncEngine.launch), before start()."""
         self.tokenizer = tokenizer
+        self.outputs = OutputProcessor(tokenizer)
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.attach_tokenizer(tokenizer)
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
         self.inputs: InputProcessor | None = None
-        self.outputs = OutputProcessor(tokenizer)
         self.streams: dict[str, Stream] = {}
         self.dead: str | None = None
         self.listeners: list = []  # callables(RequestOutput) for metrics
@@ -254,14 +259,23 @@ class AsyncEngine(EngineClient):
         self._proc.start()
         self._started_at = self.restart_backoff.clock()
 
-    async def start(self) -> None:
+    def launch(self) -> None:
+        """Start the core process now, so that its imports and model load overlap the rest of the server's
+        start-up (on two cores they run side by side); start() then binds and waits for it. The core
+        connects first: ZeroMQ holds what it sends until the server's sockets are bound."""
+        if self._proc is not None:
+            return
         base = Path(self._tmp.name)
-        self._addresses = in_addr, out_addr = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
+        self._addresses = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
+        self._spawn()
+
+    async def start(self) -> None:
+        self.launch()
+        in_addr, out_addr = self._addresses
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
-        self._spawn()
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while True:

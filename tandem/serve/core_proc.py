@@ -80,7 +80,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         logs.startup.info("engine core ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # report why we could not start, then exit non-zero
         out.send_pyobj(StartupFailed(f"{type(e).__name__}: {e}"))
-        out.close(linger=2000)
+        out.close(linger=10000)  # the server binds after it launches us: give it time to read why
         os._exit(1)
     service = CoreService(core, inp, out, kv_pub)
     try:
