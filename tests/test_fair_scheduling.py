@@ -8,7 +8,7 @@ from collections import Counter
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import RECENT_TENANT_ROUNDS, Scheduler
 from tandem.engine.step import SchedulerOutput
 from tandem.policy.admission import AdmissionSettings, Load, PromptRate, check_admission
 from tandem.sampling_params import SamplingParams
@@ -57,7 +57,18 @@ def test_short_chat_is_not_queued_behind_another_tenants_flood() -> None:
         assert tokens_by_tenant(out)["A"] == 128
     while "b0" in s.requests:
         step(s)
-    assert tokens_by_tenant(step(s))["A"] == 256, "alone again, A takes the whole budget"
+    # B between two requests (its answer sent, the next not here yet): its share stays reserved a few
+    # rounds, so its next chat never finds a full-budget step of A's in front of it.
+    held = [tokens_by_tenant(step(s))["A"] for _ in range(RECENT_TENANT_ROUNDS)]
+    assert max(held) <= 128 + 6, held  # 128 prompt tokens, and a token for each of A's six that decode
+    s.add_request(request("b1", 40, "B", t=20))
+    back = tokens_by_tenant(step(s))
+    assert back["B"] == 40 and back["A"] <= 128 + 6, "back within the window: no long step ahead"
+    while "b1" in s.requests:
+        step(s)
+    for _ in range(RECENT_TENANT_ROUNDS):
+        step(s)
+    assert tokens_by_tenant(step(s))["A"] == 256, "alone for longer than the window, A takes the whole budget"
     wide = make_scheduler(budget=1024)
     for i in range(3):
         wide.add_request(request(f"a{i}", 3000, "A", t=i))

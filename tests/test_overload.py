@@ -69,3 +69,30 @@ def test_the_slo_deadline_rule_refuses_a_burst_it_cannot_serve_in_time() -> None
         assert took < 60, f"the burst took {took:.0f} s"
         again = asyncio.run(burst(s.url, 1))
         assert again[0].status_code == 200, again[0].text
+
+
+@pytest.mark.slow
+def test_a_tenants_flood_is_refused_before_tokenizing_and_another_tenant_is_served() -> None:
+    """Tenant A's long prompts cannot start within their 1 s timeout while B's stream runs: after a
+    streak of refusals (each tokenized first), the next are refused before tokenizing, one in eight
+    still checked in full; B's own request is admitted throughout."""
+    from tandem.policy.refusal_streaks import PROBE_EVERY, STREAK
+
+    a, b = ({"Authorization": f"Bearer {k}"} for k in KEYS)
+    with running_server("--dtype", "float32", "--kv-cache-memory", "0.25", "--api-key", KEYS[0],
+                        "--api-key", KEYS[1]) as s, httpx.Client(timeout=120) as c, \
+            c.stream("POST", f"{s.url}/v1/completions", headers=b,
+                     json={"prompt": "Tell me a long story.", "max_tokens": 300, "ignore_eos": True,
+                           "stream": True}) as stream:
+        lines = stream.iter_lines()
+        next(lines)  # B is decoding: A's long prompt would wait behind nothing but its own prefill
+        long_prompt = "the sea and the ships on it " * 600
+        answers = [c.post(f"{s.url}/v1/completions", headers=a,
+                          json={"prompt": long_prompt, "max_tokens": 4, "timeout": 1}) for _ in range(STREAK + 16)]
+        assert all(r.status_code == 429 and int(r.headers["retry-after"]) >= 1 for r in answers), \
+            [r.text for r in answers]
+        cheap = ["checked before tokenizing" in r.json()["error"]["message"] for r in answers]
+        assert cheap[:STREAK] == [False] * STREAK
+        assert cheap[STREAK:] == ([True] * (PROBE_EVERY - 1) + [False]) * (16 // PROBE_EVERY)
+        ok = c.post(f"{s.url}/v1/completions", headers=b, json={"prompt": "Hi", "max_tokens": 4, "timeout": 30})
+        assert ok.status_code == 200, ok.text

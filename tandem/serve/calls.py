@@ -4,11 +4,12 @@ salt) and admission against the engine's load (the rules are admission.py's)."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from tandem.policy.admission import AdmissionSettings, Deadlines, check_admission
+from tandem.policy.admission import AdmissionSettings, Deadlines, Rejection, check_admission
+from tandem.policy.refusal_streaks import RefusalStreaks
 from tandem.sampling_params import SamplingParams
 from tandem.serve.app_state import Started
 from tandem.serve.async_engine import EngineClient
@@ -76,6 +77,7 @@ class Admission:
     rules: AdmissionSettings
     slo: Slo  # the deadlines the slo mode predicts against
     started: Started  # the metrics count the refusals
+    streaks: RefusalStreaks = field(default_factory=RefusalStreaks)  # a tenant's flood, refused untokenized
 
     def admit(self, call: Call, num_prompts: int, params: SamplingParams,
               prompts: list[list[int]] | None = None) -> None:
@@ -89,12 +91,22 @@ class Admission:
         if self.rules.predicts:
             deadlines = Deadlines(engine.shape(), self.slo, call.max_tokens or params.max_tokens or limit,
                                   engine.calibration.ttft, max_tokens_given=call.max_tokens is not None)
-        prompt_tokens = sum(engine.uncached_tokens(ids, call.salt) for ids in prompts or [])
+        # Before tokenizing, a tenant in a streak of refusals is checked as large as its refused requests.
+        assumed = self.streaks.assumed_tokens(call.tenant) if prompts is None else None
+        prompt_tokens = assumed or sum(engine.uncached_tokens(ids, call.salt) for ids in prompts or [])
         rejection = check_admission(self.rules, engine.capacity(), engine.load(call.tenant), num_prompts,
                                     num_prompts * params.n, prompt_tokens, engine.prompt_rate.rate, call.timeout,
                                     deadlines)
+        if prompts is not None:
+            self.streaks.record(call.tenant, rejection is not None, prompt_tokens)
         if rejection is not None:
-            live = self.started.live
-            live.metrics.rejected.labels(live.model).inc(num_prompts)
-            raise APIError(429, rejection.message, "RateLimitError",
-                           headers={"Retry-After": str(rejection.retry_after_s)})
+            if assumed is not None:
+                rejection = Rejection(f"{rejection.message} (checked before tokenizing as {assumed} prompt tokens: "
+                                      f"your last {self.streaks.refusals(call.tenant)} requests checked in full were "
+                                      f"refused)", rejection.retry_after_s)
+            self._refuse(rejection, num_prompts)
+
+    def _refuse(self, rejection: Rejection, num_prompts: int) -> None:
+        live = self.started.live
+        live.metrics.rejected.labels(live.model).inc(num_prompts)
+        raise APIError(429, rejection.message, "RateLimitError", headers={"Retry-After": str(rejection.retry_after_s)})
