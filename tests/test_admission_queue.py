@@ -155,6 +155,25 @@ def test_a_request_that_cannot_start_or_finish_within_its_timeout_is_refused() -
     assert "cannot finish within its timeout" in engine.refused[-1][1]
 
 
+def test_the_finish_rule_takes_the_measured_time_between_tokens_when_it_is_longer() -> None:
+    """A pure decode step of what is in flight says 10 ms a token; streams measured 300 ms between
+    tokens (the queue's prompt chunks share their steps): 64 tokens cannot finish in 10 s."""
+    from dataclasses import replace
+
+    engine = FakeEngine()
+    assert engine.arrive("a", 100, 16)
+    load = engine.load("a")
+    deadlines = Deadlines(engine.shape, DEFAULT_SLO, 64)
+
+    def check(gap: float):  # noqa: ANN202
+        return check_admission(engine.settings, engine.shape.seats, replace(load, token_gap_s=gap), 1, 1, 100,
+                               5000.0, 10.0, deadlines)
+
+    assert check(0.0) is None and check(0.05) is None
+    refused = check(0.3)
+    assert refused is not None and "cannot finish within its timeout" in refused.message
+
+
 def test_overload_admits_nothing_predicted_or_seen_to_start_past_its_timeout() -> None:
     """Arrivals at about 10x what the engine serves, each with a 30 s timeout, for 40 s: many are
     refused, and every admitted request starts (and finishes) within its timeout."""

@@ -88,6 +88,9 @@ class Load:
     seat_free_s: list[float] = field(default_factory=list)
     flights: Flights | None = None  # each request in flight, for the deadline prediction
     other_tenants_active: int = 0  # tenants other than the caller's with requests in flight (waiting or decoding)
+    # The time between a stream's tokens as measured lately (0: none): prompt chunks of the queue share
+    # the steps a new request will decode in, which a pure decode step's time leaves out.
+    token_gap_s: float = 0.0
 
     def seat_wait(self, over: int) -> float:
         """How long until `over` more sequences than the seats have one (0: none wait; inf: never)."""
@@ -203,7 +206,10 @@ def _check_queue(settings: AdmissionSettings, seats: int, load: Load, num_seqs: 
         return Rejection(f"this request cannot start within its timeout ({timeout_s:g} s): its first token is "
                          f"predicted in {wait.ttft_s:.1f} s", retry)
     if deadlines is not None and deadlines.max_tokens_given and wait.tpot_s is not None:
-        finish = wait.ttft_s + max(deadlines.max_tokens - 1, 0) * wait.tpot_s
+        # Its tokens come no faster than a decode step of everything in flight, nor than streams get
+        # theirs now (a busy engine mixes prompt chunks into the same steps).
+        tpot = max(wait.tpot_s, load.token_gap_s)
+        finish = wait.ttft_s + max(deadlines.max_tokens - 1, 0) * tpot
         if finish > timeout_s:
             return Rejection(f"this request cannot finish within its timeout ({timeout_s:g} s): its "
                              f"{deadlines.max_tokens} tokens are predicted to take {finish:.1f} s", retry)

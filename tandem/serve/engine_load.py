@@ -109,4 +109,4 @@ class EngineLoad:
                 else:
                     others.add(s.tenant)
         return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees),
-                    Flights.of(rows), len(active))
+                    Flights.of(rows), len(active), self.token_gap_s if in_flight else 0.0)
