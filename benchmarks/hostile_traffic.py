@@ -27,6 +27,7 @@ import json
 import re
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,8 @@ class Phase:
                 "refused_without_retry_after": sum(1 for r in refused if not r.retry_after), "refusals": reasons,
                 "server_errors": sum(1 for r in self.records if r.status >= 500),
                 "other_failures": sum(1 for r in self.records if r.status == 200 and not r.success),
+                "failure_reasons": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", (r.error or "")[:120])
+                                                for r in self.records if r.status == 200 and not r.success)),
                 "ttft_p50_ms": self.ttft(50), "ttft_p99_ms": self.ttft(99),
                 "output_tok_s": out_tokens / self.seconds if self.seconds else 0.0,
                 "req_s": len(self.admitted()) / self.seconds if self.seconds else 0.0}
