@@ -55,7 +55,8 @@ class FakeEngine:
     def load(self, tenant: str) -> Load:
         waiting = [f for f in self.flights if f.first_at is None]
         rows = [(1, f.prompt if f.first_at is None else 0, f.tokens_left, f.tokens_done,
-                 self.now - f.first_at if f.first_at is not None else 0.0) for f in self.flights]
+                 self.now - f.first_at if f.first_at is not None else 0.0,
+                 f.arrival + f.timeout - self.now if f.timeout is not None else float("inf")) for f in self.flights]
         mine = [f for f in waiting if f.tenant == tenant]
         return Load(len(self.flights), len(waiting), sum(f.prompt for f in waiting), len(mine),
                     sum(f.prompt for f in mine), len({f.tenant for f in waiting} - {tenant}),
@@ -172,6 +173,24 @@ def test_the_finish_rule_takes_the_measured_time_between_tokens_when_it_is_longe
     assert check(0.0) is None and check(0.05) is None
     refused = check(0.3)
     assert refused is not None and "cannot finish within its timeout" in refused.message
+
+
+def test_an_admission_that_would_push_requests_in_flight_past_their_timeouts_is_refused() -> None:
+    """Ten streams decode with 50 tokens left at 0.5 s a token (25 s) and 26 s before their timeouts:
+    a new 2,000-token prompt (its chunks stall their steps) would make them all miss, so it is refused;
+    with 60 s left they have room and it is admitted. Without timeouts nothing is at stake."""
+    engine = FakeEngine()
+    deadlines = Deadlines(engine.shape, DEFAULT_SLO, 16)
+
+    def check(time_left: float):  # noqa: ANN202
+        rows = [(1, 0, 50, 10, 5.0, time_left)] * 10
+        load = Load(10, 0, 0, 0, 0, 0, [25.0] * 10, Flights.of(rows), 0, token_gap_s=0.5)
+        return check_admission(engine.settings, engine.shape.seats, load, 1, 1, 2000, 5000.0, 60.0, deadlines)
+
+    refused = check(26.0)
+    assert refused is not None and "10 request(s) in flight miss their timeout" in refused.message
+    assert check(60.0) is None and check(float("inf")) is None
+    assert check(20.0) is None, "already past their timeout whatever it does: not a harm of this admission"
 
 
 def test_overload_admits_nothing_predicted_or_seen_to_start_past_its_timeout() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandem.policy.deadlines import EngineShape, Flights, predict, predict_ttft
+from tandem.policy.deadlines import EngineShape, Flights, predict, predict_ttft, timeouts_missed
 from tandem.slo import Slo
 
 ADMISSION_MODES = ("queue", "slo", "off")
@@ -213,6 +213,22 @@ def _check_queue(settings: AdmissionSettings, seats: int, load: Load, num_seqs: 
         if finish > timeout_s:
             return Rejection(f"this request cannot finish within its timeout ({timeout_s:g} s): its "
                              f"{deadlines.max_tokens} tokens are predicted to take {finish:.1f} s", retry)
+    return _check_harm(load, num_seqs, prompt_tokens, deadlines, retry)
+
+
+def _check_harm(load: Load, num_seqs: int, prompt_tokens: int, deadlines: Deadlines | None,
+                retry: int) -> Rejection | None:
+    """Requests decode in one batch, so those admitted together finish together: each admission must
+    also leave the ones in flight within their timeouts, or a burst admitted at a light load's speed
+    runs past them all at once (benchmarks/hostile_traffic.py at 10x load)."""
+    engine = deadlines.engine if deadlines is not None else None
+    if engine is None or load.flights is None:
+        return None
+    tpot = max(engine.step(min(load.in_flight, engine.seats), 0), load.token_gap_s)
+    missed = timeouts_missed(engine, load.flights, num_seqs, prompt_tokens, tpot)
+    if missed:
+        return Rejection(f"admitting it would make {missed} request(s) in flight miss their timeout; retry later",
+                         retry)
     return None
 
 

@@ -47,11 +47,14 @@ class Flights:
     tokens_left: np.ndarray  # int: of its longest sample
     tokens_done: np.ndarray  # int: tokens streamed so far
     decode_s: np.ndarray  # float: seconds since its first token
+    time_left: np.ndarray | None = None  # float: seconds until its timeout (inf: none); None: none known
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int, int, float]]) -> Flights:
-        a = np.asarray(rows, dtype=np.float64).reshape(-1, 5)
-        return cls(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4])
+    def of(cls, rows: list[tuple[float, ...]]) -> Flights:
+        """Rows of (num_seqs, prompt_tokens, tokens_left, tokens_done, decode_s[, time_left])."""
+        a = np.asarray(rows, dtype=np.float64)
+        a = a.reshape(-1, a.shape[1] if a.ndim == 2 else 5)
+        return cls(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5] if a.shape[1] > 5 else None)
 
 
 class StepModel(Protocol):
@@ -142,6 +145,26 @@ def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_to
     ahead_s = drain - (engine.step(mid, prompt_tokens) if prompt_tokens <= own else
                        prompt_tokens / own * engine.step(mid, chunk))
     return in_flight_step + max(wait, ahead_s) + (drain - ahead_s)
+
+
+def timeouts_missed(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int,
+                    tpot_s: float) -> int:
+    """Requests in flight predicted to finish within their timeout now and past it with a new request
+    of num_seqs sequences and prompt_tokens admitted: its rows make every decode step longer and its
+    prompt stalls them once. tpot_s: the time between tokens now (the larger of a decode step of
+    everything in flight and what streams measured). Each request's finish: its prompt's turn in the
+    queue (arrival order, the step's prompt chunk a full step), then its tokens left at tpot_s."""
+    if flights.time_left is None or not len(flights.num_seqs) or not np.isfinite(flights.time_left).any():
+        return 0
+    rows = min(float(flights.num_seqs.sum()), engine.seats)
+    grown = engine.step(min(rows + num_seqs, engine.seats), 0) / max(engine.step(rows, 0), 1e-9)
+    stall = max(engine.step(rows, prompt_tokens) - engine.step(rows, 0), 0.0)
+    waiting = flights.prompt_tokens > 0
+    chunk = max(engine.budget - rows, MIN_CHUNK)
+    starts = np.where(waiting, np.cumsum(flights.prompt_tokens) / chunk * engine.step(rows, chunk), 0.0)
+    now = starts + flights.tokens_left * tpot_s
+    later = starts + flights.tokens_left * tpot_s * max(grown, 1.0) + stall
+    return int(np.sum((now <= flights.time_left) & (later > flights.time_left)))
 
 
 class Calibration:

@@ -142,7 +142,8 @@ class EngineClient(EngineLoad):
     # -- requests -----------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
-                 tenant: str | None = None, tenant_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+                 tenant: str | None = None, tenant_weight: float = 1.0,
+                 timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
         the request finishes. Closing it early aborts the request.
 
@@ -159,9 +160,11 @@ class EngineClient(EngineLoad):
         keys = self._block_keys(prompt_ids, cache_salt)
         work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
         self.sent_blocks.predict(LOCAL, keys)
+        now = time.monotonic()
         stream = Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
                          tokens_left=min(params.max_tokens or limit, limit), requests=requests,
-                         created=time.monotonic(), predicted_ttft_s=self._predicted_ttft(tenant, work, len(requests)))
+                         created=now, predicted_ttft_s=self._predicted_ttft(tenant, work, len(requests)),
+                         deadline=now + timeout if timeout is not None else float("inf"))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)

@@ -35,6 +35,7 @@ class Stream:
     first_at: float = 0.0  # when its first token came
     created: float = 0.0
     predicted_ttft_s: float = 0.0  # admission's prediction when it was enqueued (0: none)
+    deadline: float = float("inf")  # when its timeout ends (monotonic clock; inf: none)
     requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
 
 
@@ -95,7 +96,7 @@ class EngineLoad:
         now = time.monotonic()
         for s in self.streams.values():
             rows.append((s.num_seqs, 0 if s.first_output else s.prompt_tokens, s.tokens_left, s.tokens_done,
-                         now - s.first_at if s.first_output else 0.0))
+                         now - s.first_at if s.first_output else 0.0, s.deadline - now))
             in_flight += s.num_seqs
             frees += [s.tokens_left * self.token_gap_s] * s.num_seqs
             if s.tenant != tenant:

@@ -44,7 +44,7 @@ async def tracked(gen: AsyncIterator[RequestOutput], metrics: ServerMetrics) -> 
 def open_streams(engine: EngineClient, metrics: ServerMetrics, prompts: list[list[int]], params: SamplingParams,
                  texts: list[str | None], call: Call) -> list[AsyncIterator[RequestOutput]]:
     return [tracked(engine.generate(ids, params, text, call.salt, priority=call.priority, tenant=call.tenant,
-                                    tenant_weight=call.weight), metrics)
+                                    tenant_weight=call.weight, timeout=call.timeout), metrics)
             for ids, text in zip(prompts, texts, strict=True)]
 
 
