@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from tandem.cache import cache_dir
 from tandem.config import EngineConfig
+from tandem.cpu_info import cpu_model_name
 from tandem.ops.extension import build_dir, kernels_disabled
 
 log = logging.getLogger(__name__)
@@ -31,17 +31,6 @@ log = logging.getLogger(__name__)
 MAX_AGE_S = 7 * 24 * 3600
 # Environment that changes which kernels run (secrets and paths stay out of the key).
 _KEYED_ENV = ("TANDEM_DISABLE_KERNELS", "TANDEM_KERNEL_CFLAGS", "TANDEM_NATIVE_LAYERS", "TANDEM_QUANT_GEMM_ROWS")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _code_stamp() -> str:
@@ -63,7 +52,7 @@ def profile_key(kind: str, config: EngineConfig, fingerprint: int, num_blocks: i
         "cache": [config.cache.block_size, config.cache.kv_cache_dtype, num_blocks, max_model_len],
         "scheduler": repr(config.scheduler), "parallel": repr(config.parallel),
         "speculative": repr(config.speculative), "threads": torch.get_num_threads(),
-        "kernels": "off" if kernels_disabled() else build_dir().name, "cpu": _cpu_model(),
+        "kernels": "off" if kernels_disabled() else build_dir().name, "cpu": cpu_model_name(),
         "env": {k: os.environ.get(k) for k in _KEYED_ENV},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.cpu_info import cpu_model_name
 from tandem.engine.core import EngineCore, LoggedStep
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.kv.pool import KVPool
@@ -199,7 +200,7 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
                           "shm" if "shm" in fits else next(iter(fits), "shm"), hop,
                           meta={"model": config.model.model or "default", "dtype": str(config.model.dtype),
                                 "quantization": config.model.quantization, "num_threads": config.parallel.num_threads,
-                                "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "cpu": cpu_model_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                 "fit_error": fit_error(coefficients, shapes, seconds),
                                 # What the fit saw: (tokens, sequences, sampled, prefill pairs, decode
                                 # context, decodes, seconds) per step, to plot it against the fit.
@@ -243,12 +244,3 @@ def fit_error(coefficients: list[float], shapes: list[StepShape], seconds: list[
             "repeat_spread_p90": float(np.percentile(spread, 90)) if spread else 0.0}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
