@@ -5,16 +5,9 @@ keeps it while the load needs it."""
 
 from __future__ import annotations
 
+from fake_clock import Clock
+
 from tandem.disagg.planner import Planner, PlannerSettings, forecast_rate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 SETTINGS = PlannerSettings(enabled=True, slo_ttft_s=1.0, slo_tpot_s=0.1, window_s=30, dwell_s=60, min_samples=4)
 

@@ -6,6 +6,7 @@ goodput measured on the requests that arrived within its horizon."""
 from __future__ import annotations
 
 import pytest
+from fake_clock import Clock
 from prometheus_client import CollectorRegistry
 
 from tandem.cli.cluster import planner_profiles
@@ -22,14 +23,6 @@ from tandem.slo import Slo
 SLO = Slo(ttft_s=6.0, tpot_s=0.15)
 SETTINGS = PlannerSettings(enabled=True, slo_ttft_s=SLO.ttft_s, slo_tpot_s=SLO.tpot_s, interval_s=2, window_s=20,
                            dwell_s=30, min_samples=4)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def cost(per_step: float, per_token: float) -> FittedCost:

@@ -5,15 +5,9 @@ other tenant is ever checked by it."""
 
 from __future__ import annotations
 
+from fake_clock import Clock
+
 from tandem.policy.refusal_streaks import MAX_TENANTS, RefusalStreaks
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def flood(streaks: RefusalStreaks, tenant: str | None, sizes: list[int]) -> list[int | None]:
@@ -51,7 +45,7 @@ def test_the_streak_lapses_when_the_tenant_slows_down() -> None:
     s = RefusalStreaks(streak=8, probe_every=8, hold_s=1.0, clock=clock)
     flood(s, "A", [3000] * 9)
     assert s.assumed_tokens("A") == 3000
-    clock.t += 1.5  # a request a second and a half later is checked in full
+    clock.now += 1.5  # a request a second and a half later is checked in full
     assert s.assumed_tokens("A") is None
 
 

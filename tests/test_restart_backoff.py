@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import cast
 
 import pytest
+from fake_clock import Clock
 
 from tandem.config import EngineConfig
 from tandem.disagg.registry import WorkerHandle
@@ -22,14 +23,6 @@ LIFETIMES = [0, 0, 0, 0, 0, 0, 0, 61, 0, 59]
 DELAYS = [1, 2, 4, 8, 16, 30, 30, 1, 2, 4]  # 61 s alive resets; 59 s is still a quick death
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Done(Exception):
     pass
 
@@ -39,10 +32,10 @@ def test_the_rule() -> None:
     backoff = RestartBackoff(clock=clock)
     delays = []
     for life in LIFETIMES:
-        started = clock.t
-        clock.t += life + 0.1  # noticed a moment after it died
+        started = clock.now
+        clock.now += life + 0.1  # noticed a moment after it died
         delays.append(backoff.next_delay(started))
-        clock.t += delays[-1]
+        clock.now += delays[-1]
     assert delays == DELAYS
     assert (RESTART_BACKOFF_S, MAX_RESTART_BACKOFF_S) == (1.0, 30.0)
 
@@ -65,13 +58,13 @@ def test_the_core_watchdog_follows_it() -> None:
             life = next(lifetimes)
         except StopIteration:
             raise Done from None
-        dies_at = clock.t + life
-        engine._proc = cast(object, SimpleNamespace(is_alive=lambda: clock.t < dies_at, exitcode=1))
+        dies_at = clock.now + life
+        engine._proc = cast(object, SimpleNamespace(is_alive=lambda: clock.now < dies_at, exitcode=1))
         engine._started_at = clock()
 
     async def sleep(s: float) -> None:
         waits.append(s)
-        clock.t += s
+        clock.now += s
 
     engine._spawn = spawn  # type: ignore[method-assign]
     try:
@@ -92,7 +85,7 @@ def test_the_restarter_follows_it() -> None:
 
     async def sleep(s: float) -> None:
         waits.append(s)
-        clock.t += s
+        clock.now += s
 
     def start(worker_id: str) -> None:
         assert worker_id == "decode-0"
@@ -101,7 +94,7 @@ def test_the_restarter_follows_it() -> None:
     async def main() -> None:
         restarter = Restarter(start, clock=clock, sleep=sleep)
         for life in LIFETIMES:
-            clock.t = worker.joined + life + 0.1
+            clock.now = worker.joined + life + 0.1
             assert restarter.schedule(worker)
             await asyncio.gather(*restarter._tasks)
         assert restarter.count == len(LIFETIMES)

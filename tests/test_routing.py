@@ -3,20 +3,14 @@ spreads one hot prefix, the router's own predictions expire, a forgotten worker 
 
 from __future__ import annotations
 
+from fake_clock import Clock
+
 from tandem.disagg.messages import WorkerInfo
 from tandem.disagg.registry import WorkerHandle
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.engine.core_report import CoreInfo
 from tandem.kv.block_pool import BlockRemoved, BlockStored
 from tandem.policy.prefix_index import PrefixIndex
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def worker(wid: str, load: int = 0) -> WorkerHandle:
