@@ -8,8 +8,9 @@ from collections import Counter
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.engine.request import Request
-from tandem.engine.scheduler import RECENT_TENANT_ROUNDS, Scheduler
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import SchedulerOutput
+from tandem.engine.tenant_shares import RECENT_TENANT_ROUNDS
 from tandem.policy.admission import AdmissionSettings, Load, PromptRate, check_admission
 from tandem.sampling_params import SamplingParams
 

@@ -157,15 +157,13 @@ class EngineCore:
             return None
         cost = None
         if spec.adaptive:
-            key = self._profile_key("spec-step-cost")
-            stored = step_time_cache.load(key)
-            if stored is not None:
-                cost = StepCost(np.asarray(stored["tokens"], dtype=np.float64), np.asarray(stored["seconds"]))
-            else:
-                counts = profiled_counts(spec.num_speculative_tokens,
-                                         min(config.scheduler.max_num_batched_tokens, self.max_model_len))
-                cost = profile_step_cost(self.runner, counts)
-                step_time_cache.save(key, {"tokens": cost.tokens.tolist(), "seconds": cost.seconds.tolist()})
+            counts = profiled_counts(spec.num_speculative_tokens,
+                                     min(config.scheduler.max_num_batched_tokens, self.max_model_len))
+            cost, _ = step_time_cache.measured(
+                self._profile_key("spec-step-cost"), lambda: profile_step_cost(self.runner, counts),
+                lambda c: {"tokens": c.tokens.tolist(), "seconds": c.seconds.tolist()},
+                lambda d: StepCost(np.asarray(d["tokens"], dtype=np.float64), np.asarray(d["seconds"],
+                                                                                         dtype=np.float64)))
             log.info("speculative decoding (%s, up to %d drafts): step cost %s", spec.method,
                      spec.num_speculative_tokens, ", ".join(f"{int(n)}: {s * 1e3:.1f} ms"
                                                             for n, s in zip(cost.tokens, cost.seconds, strict=True)))
@@ -174,15 +172,14 @@ class EngineCore:
     def profile_speed(self) -> StepSpeed:
         """Time this engine's steps (a second or two), so that a server can predict its deadlines."""
         sc = self.config.scheduler
-        key = self._profile_key("step-speed")
-        stored = step_time_cache.load(key)
-        if stored is not None:
+        speed, stored = step_time_cache.measured(
+            self._profile_key("step-speed"),
+            lambda: profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
+                                  self.max_model_len),
+            asdict, lambda d: StepSpeed(*(tuple(d[f]) for f in ("prompt_tokens", "prompt_s", "decode_rows",
+                                                                 "decode_s"))))
+        if stored:
             profile_step_cost(self.runner, [1, 16])  # the profile's warm-up: first passes create kernels
-            speed = StepSpeed(*(tuple(stored[f]) for f in ("prompt_tokens", "prompt_s", "decode_rows", "decode_s")))
-        else:
-            speed = profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
-                                  self.max_model_len)
-            step_time_cache.save(key, asdict(speed))
         self.speed = SpeedTracker(speed)
         startup.info("step times%s: %s", " (as measured by an earlier start with this key)" if stored else "",
                      speed.describe())

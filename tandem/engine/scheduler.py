@@ -22,6 +22,7 @@ from tandem.engine.fair_queue import FairQueue, order_key
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ScheduledRequest, SchedulerOutput, SchedulerStats
+from tandem.engine.tenant_shares import TenantShares
 from tandem.kv.block_pool import BlockEvent
 from tandem.kv.manager import KVCacheManager
 
@@ -40,11 +41,6 @@ class _Step:
 
     def remove(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)
-
-
-# Rounds of prompt scheduling a tenant's share stays reserved after its last request here
-# (_keep_recent_tenants): about 0.5-1.5 s of 128-token steps on a 2-core machine.
-RECENT_TENANT_ROUNDS = 8
 
 
 class Scheduler:
@@ -68,9 +64,7 @@ class Scheduler:
         self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Tenants that had requests here lately: weight, and the prompt-scheduling round last seen in.
-        self._recent_tenants: dict[str | None, tuple[float, int]] = {}
-        self._prompt_rounds = 0
+        self.shares = TenantShares(scheduler_config, cache_config.block_size)
         threshold = scheduler_config.long_prefill_token_threshold
         self._chunk_cap = threshold if threshold > 0 and scheduler_config.enable_chunked_prefill else 1 << 62
 
@@ -233,11 +227,8 @@ class Scheduler:
 
     def _schedule_prompts(self, step: _Step) -> None:
         """Prompt chunks of running requests and new admissions, shared between tenants: the tenant
-        with the least virtual time goes next. While other tenants have requests here (prompts, or
-        streams decoding), each takes at most its weight's share of the step's prompt budget, and
-        at most contended_prefill_chunk tokens: a flood's chunks stay small enough that another
-        tenant's next prompt, or next token, never waits behind a long step. A tenant alone takes
-        everything."""
+        with the least virtual time goes next, each up to its cap (tenant_shares.py: held to the
+        contended chunk while another tenant is or was lately here)."""
         partial: dict[str | None, deque[Request]] = {}
         weights: dict[str | None, float] = {}
         for request in self.running:
@@ -248,14 +239,7 @@ class Scheduler:
         for tenant in active - set(partial):
             weights[tenant] = self.waiting.head(tenant).tenant_weight  # type: ignore[union-attr]
         self.waiting.sync_active(active)
-        self._keep_recent_tenants(weights)
-        budget = self.config.max_num_batched_tokens
-        caps = {t: budget for t in weights}
-        if len(weights) > 1 and self.config.enable_chunked_prefill:
-            total = sum(weights.values())
-            # The heaviest tenant's chunk is held to contended_prefill_chunk, the others' in proportion.
-            chunk = (self.config.contended_prefill_chunk or budget) / max(weights.values())
-            caps = {t: max(int(min(budget / total, chunk) * w), self.kv.block_size) for t, w in weights.items()}
+        caps = self.shares.caps(weights)
         admitting = True  # a waiting head that does not fit stops admissions: nobody overtakes it for blocks
         while step.budget > 0 and active:
             tenant = min(active, key=self.waiting.vtime)
@@ -277,21 +261,6 @@ class Scheduler:
                 self.waiting.charge(tenant, num_new, request.tenant_weight)
             elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 admitting = False
-
-    def _keep_recent_tenants(self, weights: dict[str | None, float]) -> None:
-        """A tenant seen within RECENT_TENANT_ROUNDS keeps its share of the budget reserved (in weights,
-        not in the queue): a client between two requests (its last answer sent, its next one not yet
-        here) must not find a flood's full-budget step in front of it, a second or more on a busy
-        machine. Counted in scheduling rounds, not seconds, so the scheduler stays a function of its
-        inputs (the simulator replays it)."""
-        self._prompt_rounds += 1
-        for tenant, weight in weights.items():
-            self._recent_tenants[tenant] = (weight, self._prompt_rounds)
-        for tenant, (weight, seen) in list(self._recent_tenants.items()):
-            if self._prompt_rounds - seen > RECENT_TENANT_ROUNDS:
-                del self._recent_tenants[tenant]
-            elif tenant not in weights:
-                weights[tenant] = weight
 
     def _schedule_prompt(self, request: Request, cap: int, step: _Step) -> int:
         """Schedule one prompt chunk of at most cap tokens; the number scheduled (0: it did not fit)."""

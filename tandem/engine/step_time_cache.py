@@ -17,7 +17,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +29,7 @@ from tandem.cpu_info import cpu_model_name
 from tandem.ops.extension import build_dir, kernels_disabled
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_AGE_S = 7 * 24 * 3600
 # Environment that changes which kernels run (secrets and paths stay out of the key).
@@ -84,3 +87,18 @@ def save(key: str, profile: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache costs a measurement, nothing more
         log.debug("could not store step times in %s: %s", path, e)
+
+
+def measured(key: str, measure: Callable[[], T], encode: Callable[[T], dict],
+             decode: Callable[[dict], T]) -> tuple[T, bool]:
+    """The profile stored under key, or measure() (then stored); and whether it was read back. An
+    entry that does not decode is measured again and replaced."""
+    stored = load(key)
+    if stored is not None:
+        try:
+            return decode(stored), True
+        except (KeyError, TypeError, ValueError):
+            log.debug("step times under %s do not decode: measured again", key)
+    value = measure()
+    save(key, encode(value))
+    return value, False

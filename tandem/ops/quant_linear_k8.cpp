@@ -135,7 +135,6 @@ inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) {
 // half the instructions for the same integers, folded back to the 256-bit sums at the block's end,
 // so every output is the same value as the 256-bit path's, bit for bit (used for Q6_K: see tile).
 
-// Chunks 2k and 2k + 1's 64 quants as unsigned bytes (Q6_K's without the -32, which the bsums carry).
 // Q6_K's chunks 2k and 2k + 1 as 64 unsigned bytes (without the -32, which the bsums carry): their low
 // nibbles lie in 64 bytes, their 2-bit highs in one 32-byte group.
 inline __m512i pair_quants_q6k(const uint8_t* b, int k) {

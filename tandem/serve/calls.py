@@ -104,9 +104,7 @@ class Admission:
                 rejection = Rejection(f"{rejection.message} (checked before tokenizing as {assumed} prompt tokens: "
                                       f"your last {self.streaks.refusals(call.tenant)} requests checked in full were "
                                       f"refused)", rejection.retry_after_s)
-            self._refuse(rejection, num_prompts)
-
-    def _refuse(self, rejection: Rejection, num_prompts: int) -> None:
-        live = self.started.live
-        live.metrics.rejected.labels(live.model).inc(num_prompts)
-        raise APIError(429, rejection.message, "RateLimitError", headers={"Retry-After": str(rejection.retry_after_s)})
+            live = self.started.live
+            live.metrics.rejected.labels(live.model).inc(num_prompts)
+            raise APIError(429, rejection.message, "RateLimitError",
+                           headers={"Retry-After": str(rejection.retry_after_s)})
