@@ -7,7 +7,8 @@
 #   scripts/setup.sh gemma    serve, and the gemma extra (Gemma 3 270M; scripts/tandem runs it when the
 #                             command names gemma-3-270m)
 #   scripts/setup.sh test     serve and gemma, and what the tests add: the test extras, import-linter, Ray,
-#                             Mooncake with libibverbs, Debian's Chromium and chromedriver (scripts/test runs this)
+#                             Mooncake with libibverbs, Debian's Chromium and chromedriver, llama.cpp's
+#                             convert_hf_to_gguf.py (scripts/test runs this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TANDEM_VENV:-.venv}
@@ -65,7 +66,29 @@ setup_test() {
     echo "[setup] installing Debian's chromium and chromium-driver (the dashboard's browser test)" >&2
     apt_install chromium chromium-driver || echo "[setup] chromium could not be installed: the browser test will fail" >&2
   fi
+  setup_llama_cpp_converter
   done_part test
+}
+
+# llama.cpp's own convert_hf_to_gguf.py (with its conversion package and gguf-py), for the tests that load
+# the GGUF files it writes (tests/llama_cpp_converter.py): from the llama-cpp-python source distribution
+# on PyPI, where llama.cpp ships; only those files are kept.
+LLAMA_CPP_PYTHON=0.3.36
+setup_llama_cpp_converter() {
+  local dest="$VENV/llama-cpp-convert" tmp
+  [ -f "$dest/.version-$LLAMA_CPP_PYTHON" ] && return 0
+  echo "[setup] fetching llama.cpp's converter (llama-cpp-python $LLAMA_CPP_PYTHON sdist)" >&2
+  tmp=$(mktemp -d)
+  if pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$tmp" >/dev/null &&
+    tar -xzf "$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$tmp" --wildcards \
+      "*/vendor/llama.cpp/convert_hf_to_gguf.py" "*/vendor/llama.cpp/conversion/*" "*/vendor/llama.cpp/gguf-py/*"; then
+    rm -rf "$dest"
+    mv "$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$dest"
+    touch "$dest/.version-$LLAMA_CPP_PYTHON"
+  else
+    echo "[setup] llama.cpp's converter could not be fetched: the GGUF family tests will skip" >&2
+  fi
+  rm -rf "$tmp"
 }
 
 "setup_$part"

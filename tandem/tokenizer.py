@@ -46,7 +46,14 @@ def load_gguf_tokenizer(path: Path) -> Any | None:
     if "tokenizer.ggml.tokens" not in gguf.GGUFReader(path).fields:
         return None
     log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError:
+        # AutoTokenizer reads the model's config first and knows fewer architectures than Tandem
+        # serves (smollm3, granite ...); the fast tokenizer is built from the tokenizer.* keys alone.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(cached)
     return tokenizer
 

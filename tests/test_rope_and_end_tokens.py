@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, random_hf_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem import SamplingParams
@@ -177,8 +177,34 @@ def test_yarn_from_a_gguf_files_metadata_is_transformers(tmp_path: Path, make_ll
 def test_scalings_not_built_yet_are_refused_by_name() -> None:
     from tandem.model.rope import rope_from_hf
 
-    for cfg, name in (({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
-                      ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
-                      ({"partial_rotary_factor": 0.5}, "partial_rotary_factor")):
+    for cfg, name in (({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "mrope"),
+                      ({"partial_rotary_factor": 0.3}, "partial_rotary_factor")):
         with pytest.raises(NotImplementedError, match=name):
             rope_from_hf(cfg, 64)
+
+
+@pytest.mark.parametrize("context", [64, 512])  # within the original context, and past it
+def test_longrope_and_dynamic_ntk_are_transformers_at_the_deployments_context(context: int) -> None:
+    """transformers computes these from the current sequence's length; a deployment fixes them from its
+    context, so they must equal transformers' at a sequence of that length (long factors only past the
+    original context; dynamic NTK's base raised only past max_position_embeddings)."""
+    from tandem.model.rope import inv_freq, rope_from_hf
+
+    phi = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                     original_max_position_embeddings=64, pad_token_id=0,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                      "original_max_position_embeddings": 64, "long_factor": [1.5, 2.0, 3.0, 5.0],
+                                      "short_factor": [1.0, 1.1, 1.3, 1.6]})
+    ours = rope_from_hf(phi.to_dict(), 16, context)
+    expected, attention = ROPE_INIT_FUNCTIONS["longrope"](phi, "cpu", seq_len=context)
+    assert ours.rotary_dim == 8
+    torch.testing.assert_close(inv_freq(8, ours.theta) / torch.tensor(ours.freq_factors), expected)
+    assert ours.attention_factor == pytest.approx(attention)
+    assert ours.freq_factors == ((1.5, 2.0, 3.0, 5.0) if context > 64 else (1.0, 1.1, 1.3, 1.6))
+
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+                        rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    ours = rope_from_hf(llama.to_dict(), 16, context)
+    expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](llama, "cpu", seq_len=context)
+    torch.testing.assert_close(inv_freq(16, ours.theta), expected)
+    assert (ours.theta > 10000.0) == (context > 128)

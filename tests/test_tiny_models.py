@@ -1,6 +1,8 @@
-"""Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2 (YaRN too), Qwen3 and Gemma 3
-models built from configs: Tandem's logits match transformers' within tolerance, through the packed
-prefill path and the paged decode path, on prompts longer than the sliding windows."""
+"""Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2 (YaRN too), Qwen3,
+Gemma 3, Phi-3 (longrope; Phi-4-mini's partial rotary), SmolLM3 (layers without RoPE), Granite (its
+multipliers) and OLMo 2 (norms after attention and MLP) models built from configs: Tandem's logits match
+transformers' within tolerance, through the packed prefill path and the paged decode path, on prompts
+longer than the sliding windows."""
 
 from __future__ import annotations
 
@@ -13,14 +15,22 @@ from conftest import random_hf_model
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from tandem import SamplingParams
@@ -55,6 +65,29 @@ CASES = {
     "gemma3-softcap": (Gemma3ForCausalLM, Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 2}, head_dim=32, sliding_window=6, final_logit_softcapping=3.0,
         layer_types=["full_attention", "sliding_attention"])),
+    # Longrope with an original context of 4: cos / sin scaled by sqrt(1 + ln 128 / ln 4). The two lists
+    # are equal here because transformers picks one by each sequence's own length (the short one up to 4
+    # tokens) where a deployment fixes one; which one a deployment takes is tested in
+    # test_rope_and_end_tokens.py and test_llama_cpp_families.py.
+    "phi3-longrope": (Phi3ForCausalLM, Phi3Config(
+        **COMMON, tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=4,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4,
+                         "long_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 8.0],
+                         "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 8.0]})),
+    # Phi-4-mini's shape of RoPE: 12 of each head's 16 dimensions rotate; its original context is the
+    # model's, so the short factors apply and nothing scales cos / sin.
+    "phi4-partial": (Phi3ForCausalLM, Phi3Config(
+        **COMMON, tie_word_embeddings=True, pad_token_id=0, original_max_position_embeddings=512,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 512, "long_factor": [2.0] * 6,
+                         "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0]})),
+    # Every fourth layer without RoPE.
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, tie_word_embeddings=True,
+                                                  pad_token_id=0)),
+    "granite": (GraniteForCausalLM, GraniteConfig(**COMMON, tie_word_embeddings=True, embedding_multiplier=3.0,
+                                                  attention_multiplier=0.1, residual_multiplier=0.5,
+                                                  logits_scaling=4.0)),
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=0)),
 }
 
 
@@ -122,7 +155,8 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
             torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2-yarn", "qwen3", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2-yarn", "qwen3", "mistral-window", "gemma3",
+                                  "phi3-longrope", "phi4-partial", "smollm3", "granite", "olmo2"])
 def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     path, ref = build(kind, tmp_path)
     llm = make_llm(model=str(path), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16)

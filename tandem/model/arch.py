@@ -30,7 +30,8 @@ class ArchConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2; and every family whose config sets attention_bias
+    o_bias: bool = False  # attention_bias also puts a bias on o_proj (Llama, Granite, OLMo 2; not Qwen2)
     qk_norm: bool = False  # Qwen3
     bos_token_id: int | None = None
     # Every token that ends a generation (Llama 3.x Instruct declares three; gpt-oss two).
@@ -41,7 +42,12 @@ class ArchConfig:
     rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
     # Each rotary pair's frequency divisor (Llama 3's scaling, model/rope.py); empty: none.
     rope_freq_factors: tuple[float, ...] = ()
-    rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN, longrope)
+    rotary_dim: int = 0  # the first this many dimensions of each head rotate (partial rotary); 0: all
+    # Per layer, whether it rotates q and k (SmolLM3 leaves every fourth layer without RoPE); empty: all do.
+    rope_layers: tuple[bool, ...] = ()
+    residual_scale: float = 1.0  # each attention and MLP output scaled before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
     attn_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
     final_softcap: float = 0.0  # > 0: logits capped at softcap * tanh(logit / softcap)
     hidden_act: str = "silu"  # the gated MLP's activation
@@ -61,6 +67,14 @@ class ArchConfig:
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rotates(self, layer: int) -> bool:
+        return self.rope_layers[layer] if self.rope_layers else True
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dimensions of each head."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def local_vocab(self) -> int:
@@ -94,7 +108,8 @@ def gguf_end_tokens(meta: dict[str, Any]) -> tuple[int, ...]:
     return token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")))
 
 
-def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
+def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
+    """context: the deployment's (--max-model-len), for the RoPE scalings that depend on it (rope.py)."""
     archs = cfg.get("architectures") or []
     known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not known:
@@ -103,7 +118,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
     window = int(cfg.get("sliding_window") or 0) if arch == "mistral" else 0
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rope = rope_from_hf(cfg, head_dim)
+    rope = rope_from_hf(cfg, head_dim, context)
     return ArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -118,9 +133,11 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         rope_scaling_factor=rope.linear_factor,
         rope_freq_factors=rope.freq_factors,
         rope_attention_factor=rope.attention_factor,
+        rotary_dim=rope.rotary_dim,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=token_ids(cfg.get("eos_token_id")),
@@ -135,6 +152,12 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+    return llama_shape_from_gguf(meta, arch, has_output_weight, has_qkv_bias)
+
+
+def llama_shape_from_gguf(meta: dict[str, Any], arch: str, has_output_weight: bool, has_qkv_bias: bool) -> ArchConfig:
+    """A Llama-shaped model from llama.cpp's `<arch>.*` metadata keys; families built on the Llama
+    family's (phi3.py, granite.py, ...) replace what their own keys add."""
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -144,13 +167,13 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                   or hidden // heads)
+    # Not rope.dimension_count: it is narrower than a head under partial rotary (rope.py).
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     context = int(get("context_length", 4096))
     rope = rope_from_gguf(meta, arch, head_dim, context)
     return ArchConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=GGUF_ARCHITECTURES.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -163,6 +186,7 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
         rope_scaling_factor=rope.linear_factor,
         rope_freq_factors=rope.freq_factors,
         rope_attention_factor=rope.attention_factor,
+        rotary_dim=rope.rotary_dim,
         max_position_embeddings=context,
         tie_word_embeddings=not has_output_weight,
         qkv_bias=has_qkv_bias,

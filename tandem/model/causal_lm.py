@@ -132,6 +132,7 @@ class CausalLM(nn.Module):
         """Take HF-named tensors (q/k/v and gate/up separate; dense or quantized) into this layout."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         missing: list[str] = []
+        used: set[str] = set()
         modules = dict(self.named_modules())
         for name, parts in self.weight_parts(self.cfg).items():
             layer = modules[name]
@@ -139,6 +140,7 @@ class CausalLM(nn.Module):
             if not all(p in weights for p in parts):
                 missing.append(name)
                 continue
+            used.update(parts)
             if name == "lm_head" and self.cfg.tie_word_embeddings:
                 self._tie_head()
                 continue
@@ -151,6 +153,7 @@ class CausalLM(nn.Module):
                 if not all(b in weights for b in biases):
                     missing.append(f"{name}.bias")
                     continue
+                used.update(biases)
                 linear.bias.data.copy_(torch.cat([weights[b] for b in biases]))
         linears = {id(m) for m in modules.values() if isinstance(m, Linear)}
         for name, param in self.named_parameters():
@@ -163,8 +166,16 @@ class CausalLM(nn.Module):
             if weights[name].shape != param.shape:
                 raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}")
             param.data.copy_(weights[name])
+            used.add(name)
         if missing:
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        # A tensor nothing reads is a part of the architecture not built (a bias, a norm): refused, not
+        # dropped. Rotary tables some checkpoints save, and a tied model's stored head, are not weights.
+        ignored = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
+        unused = sorted(k for k in weights if k not in used and not k.endswith(ignored))
+        if unused:
+            raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}"
+                             f"{' ...' if len(unused) > 5 else ''}")
         for m in self.modules():
             if isinstance(m, Linear):
                 m.method.finish(m)

@@ -113,9 +113,10 @@ def _rope(params: dict[str, Any], theta: float) -> tuple[float, float]:
     return float(params.get("rope_theta", theta)), float(params.get("factor", 1.0)) if kind == "linear" else 1.0
 
 
-def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
+def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
     """A Gemma3ForCausalLM config.json, as transformers 4 (rope_theta, rope_local_base_freq,
-    rope_scaling) or 5 (rope_parameters per layer type) writes it."""
+    rope_scaling) or 5 (rope_parameters per layer type) writes it. context: unused (Gemma 3's
+    scalings do not depend on the deployment's length)."""
     heads, layers, hidden = cfg["num_attention_heads"], cfg["num_hidden_layers"], cfg["hidden_size"]
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:

@@ -31,9 +31,10 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position, over the first
+    rotary_dim dimensions of each head (all of them unless the rotary is partial)."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
+    def __init__(self, rotary_dim: int, max_position: int, theta: float, dtype: torch.dtype,
                  linear_factor: float = 1.0, freq_factors: tuple[float, ...] = (),
                  attention_factor: float = 1.0) -> None:
         """linear_factor: linear RoPE scaling (positions divided by it, as HF's rope_type "linear");
@@ -43,7 +44,7 @@ class RotaryEmbedding(nn.Module):
         # On the CPU even while a model is built on the meta device: a meta-device division imports
         # torch._dynamo (2-3 s of every start-up); the table is a few MiB, moved by init_buffers.
         cpu = torch.device("cpu")
-        freq = inv_freq(head_dim, theta) / linear_factor
+        freq = inv_freq(rotary_dim, theta) / linear_factor
         if freq_factors:
             freq = freq / torch.tensor(freq_factors, dtype=torch.float32, device=cpu)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), freq)
@@ -55,8 +56,8 @@ class RotaryEmbedding(nn.Module):
     def of(cls, cfg: ArchConfig, dtype: torch.dtype, local: bool = False) -> RotaryEmbedding:
         """The model's table; local: the sliding-window layers' own (Gemma 3: another base, unscaled)."""
         if local:
-            return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, dtype)
-        return cls(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor,
+            return cls(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_local_theta, dtype)
+        return cls(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling_factor,
                    cfg.rope_freq_factors, cfg.rope_attention_factor)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

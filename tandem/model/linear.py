@@ -23,11 +23,16 @@ from torch import nn
 
 from tandem.model.block_formats import BlockFormat
 from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
-from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, cat_rows, gemm_rows, quantized_linear
+from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, cat_rows, gemm_rows, quantized_linear, slice_weight
 
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
+
+
+def weight_rows(w: Weight, start: int, end: int) -> Weight:
+    """Output rows [start, end) of a weight, dense or still in its blocks."""
+    return slice_weight(w, rows=(start, end)) if isinstance(w, QuantizedWeight) else w[start:end]
 
 
 @dataclass(frozen=True)

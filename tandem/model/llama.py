@@ -1,5 +1,6 @@
 """The Llama family (Llama, SmolLM2, Mistral with its sliding window, Qwen2 with qkv bias, Qwen3
-with q/k norm), and the attention block other families reuse (model/gemma3.py).
+with q/k norm) and the families that differ from it only in settings (Phi-3, SmolLM3's layers without
+RoPE, Granite's multipliers), and the attention block other families reuse (model/gemma3.py).
 
 A pure function of the packed batch and the KV pool: token ids and attention metadata in,
 logits for the sampled positions out.
@@ -28,22 +29,29 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.window = cfg.window(layer)
+        self.rotates = cfg.rotates(layer)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype,
                                methods.get(f"{prefix}qkv_proj", DENSE))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, methods.get(f"{prefix}o_proj", DENSE))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, methods.get(f"{prefix}o_proj", DENSE))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, sampled_only: bool = False) -> torch.Tensor:
-        """sampled_only: every row's K/V is stored, the output has meta.sampled_rows only."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D], normed where the family norms them, not yet rotated."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = fused.rotary(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, sampled_only: bool = False) -> torch.Tensor:
+        """sampled_only: every row's K/V is stored, the output has meta.sampled_rows only."""
+        q, k, v = self.qkv(x)
+        if self.rotates:
+            q, k = fused.rotary(q, k, cos, sin)
         attend = paged_attention_sampled if sampled_only else paged_attention
         out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -59,6 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         mlp = f"{prefix}mlp."
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype,
                             methods.get(f"{mlp}gate_up_proj", DENSE), methods.get(f"{mlp}down_proj", DENSE))
+        self.residual_scale = cfg.residual_scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -73,12 +82,15 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, meta, sampled_only)
         if sampled_only:
             residual = residual[meta.sampled_rows]
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out * self.residual_scale if self.residual_scale != 1.0 else out), residual
 
 
 class LlamaForCausalLM(CausalLM):
-    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer  # a family on this one swaps its layer (qwen3_moe.py)
+    layer_cls: type[nn.Module] = LlamaDecoderLayer  # a family on this one swaps its layer (qwen3_moe.py, olmo2.py)
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods | None = None) -> None:
         super().__init__(cfg, dtype, methods, self.layer_cls)
@@ -94,6 +106,8 @@ class LlamaForCausalLM(CausalLM):
         the others' outputs."""
         cos, sin = self.rotary.lookup(meta.positions)
         x, residual = self.embed_tokens(input_ids), None
+        if self.cfg.embed_scale != 1.0:  # Granite's embedding multiplier
+            x = x * self.cfg.embed_scale
         skip = meta.sampled_rows is not None
         native = self.native_layers_forward(x, (cos, sin), None, kv_caches, meta, after_layer)
         if native is not None:
@@ -107,4 +121,5 @@ class LlamaForCausalLM(CausalLM):
         if not skip:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm.add_forward(x, residual)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits

@@ -28,6 +28,7 @@ from tandem.model.linear import Weight, held_forms, plan_linear_methods
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of
+from tandem.model.rope import gguf_longrope
 from tandem.model.tensor_parallel import Shard, shard_arch, shard_weights
 from tandem.model_path import DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelLoadError, resolve_model_path
 from tandem.tokenizer import load_tokenizer
@@ -59,6 +60,7 @@ _GGUF_NAMES = {
     "output.weight": "lm_head.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's converter writes Llama 3's RoPE scaling as this tensor
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # and longrope's (Phi-3) as these
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -89,10 +91,11 @@ def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
         raise ModelLoadError(str(e)) from e
 
 
-def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchConfig, dict[str, Weight]]:
+def load_gguf_weights(path: Path, keep_quantized: bool = False,
+                      context: int | None = None) -> tuple[ArchConfig, dict[str, Weight]]:
     """keep_quantized: matrices in a format served as stored (block_formats.NATIVE_FORMATS: Q4_0, Q4_1,
     Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks (QuantizedWeight); everything else, and
-    everything when False, is dequantized to float32."""
+    everything when False, is dequantized to float32. context: the deployment's, for longrope."""
     import gguf
 
     tensors, meta = _read_gguf(path)
@@ -100,14 +103,20 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
     try:
         family = family_for_gguf(meta.get("general.architecture"))
         arch = family.arch_from_gguf(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         raise ModelLoadError(str(e)) from e
+    arch = replace(arch, o_bias="blk.0.attn_output.bias" in names)
     weights: dict[str, Weight] = {}
+    longrope: dict[str, list[float]] = {}
     with _progress() as progress:
         task = progress.add_task(path.name, total=len(tensors))
         for t in tensors:
-            if t.name == ROPE_FREQS:  # Llama 3's per-pair frequency divisors (model/rope.py), not a weight
-                arch = replace(arch, rope_freq_factors=tuple(np.asarray(t.data, dtype=np.float32).ravel().tolist()))
+            if t.name == ROPE_FREQS or t.name in LONGROPE:  # RoPE's per-pair divisors (model/rope.py), not weights
+                factors = np.asarray(t.data, dtype=np.float32).ravel().tolist()
+                if t.name == ROPE_FREQS:
+                    arch = replace(arch, rope_freq_factors=tuple(factors))
+                else:
+                    longrope[t.name] = factors
                 progress.advance(task)
                 continue
             # Native formats go through the blocks either way: their dequantization (kernel or torch,
@@ -117,10 +126,10 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError) as e:
                 raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
-            if meta["general.architecture"] in family.gguf_rope_permuted:
-                if t.name.endswith("attn_q.weight"):
+            if meta["general.architecture"] in family.gguf_rope_permuted:  # the converter permutes biases too
+                if t.name.endswith(("attn_q.weight", "attn_q.bias")):
                     array = unpermute_rope(array, arch.num_heads)
-                elif t.name.endswith("attn_k.weight"):
+                elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
                     array = unpermute_rope(array, arch.num_kv_heads)
             name = gguf_to_hf_name(t.name, family)
             if fmt is not None:
@@ -131,12 +140,19 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False) -> tuple[ArchCon
                     array = array.copy()
                 weights[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
             progress.advance(task)
+    if longrope:
+        if len(longrope) != 2:
+            raise ModelLoadError(f"{path.name} has one of {LONGROPE} without the other")
+        factors, attention = gguf_longrope(meta, meta["general.architecture"], longrope[LONGROPE[0]],
+                                           longrope[LONGROPE[1]], arch.max_position_embeddings, context)
+        arch = replace(arch, rope_freq_factors=factors, rope_attention_factor=attention)
     return arch, weights
 
 
 # -- Hugging Face directory ---------------------------------------------------------------------
 
-def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+def load_hf_weights(path: Path, context: int | None = None) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    """context: the deployment's, for the RoPE scalings that depend on it (model/rope.py)."""
     from safetensors import safe_open
 
     config_file = path / "config.json"
@@ -145,10 +161,10 @@ def load_hf_weights(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
     try:
         cfg = json.loads(config_file.read_text())
         family = family_for_hf(cfg)
-        arch = family.arch_from_hf(cfg)
+        arch = family.arch_from_hf(cfg, context)
     except (json.JSONDecodeError, KeyError) as e:
         raise ModelLoadError(f"{config_file} is not a valid model config: {e}") from e
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         raise ModelLoadError(f"{config_file}: {e}") from e
     generation = path / "generation_config.json"
     if generation.exists():  # its eos list is what generation stops on (Llama 3.x Instruct's three ids)
@@ -206,13 +222,14 @@ def materialize(net: torch.nn.Module, device: str | torch.device) -> None:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "gguf", shard: Shard | None = None) -> LoadedModel:
+               quantization: str = "gguf", shard: Shard | None = None, context: int | None = None) -> LoadedModel:
     """quantization: "gguf" serves a GGUF file's weights as stored where their format has kernels
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; activations in float), "gguf-q8" the same with int8
     activations, "none" dequantizes everything to dtype, "auto" is gguf unless dtype's dense path is
     native bfloat16 (resolve_quantization). A directory's safetensors are dense whichever is chosen.
     shard: this process's part of a worker group (model/tensor_parallel.py): the model is built in its
-    rank's shape from its part of the weights (LoadedModel.arch stays the whole model's)."""
+    rank's shape from its part of the weights (LoadedModel.arch stays the whole model's). context: the
+    deployment's --max-model-len, which fixes longrope's and dynamic NTK's factors (None: the model's own)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
     quantization = resolve_quantization(quantization, dtype, torch.device(device))
@@ -220,9 +237,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     t0 = time.perf_counter()
     startup.info("loading %s (%s, weights %s)", path, str(dtype).removeprefix("torch."), quantization)
     if path.is_dir():
-        arch, weights = load_hf_weights(path)
+        arch, weights = load_hf_weights(path, context)
     elif path.suffix == ".gguf":
-        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none")
+        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none", context=context)
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
@@ -230,7 +247,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
         path.name if path.is_dir() else path.stem)
     family = family_of(arch)
     if family.prepare_weights is not None:
-        weights = family.prepare_weights(weights)
+        try:
+            weights = family.prepare_weights(weights, arch)
+        except ValueError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from e
     cls = family.model_cls
     fingerprint = weights_fingerprint(weights, dtype)  # the whole model's: every shard keys blocks alike
     local = arch
@@ -243,7 +263,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
         net = cls(local, dtype, methods)
     materialize(net, device)
     net.init_buffers(device)  # the rotary tables are computed, not loaded: on the real device
-    net.load_weights(weights)
+    try:
+        net.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from e
     net.fingerprint = fingerprint
     net.eval()
     forms = held_forms(net)

@@ -27,8 +27,8 @@ HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 GGUF_ARCHITECTURE = "qwen3moe"
 
 
-def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["Qwen3ForCausalLM"]})
+def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
+    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["Qwen3ForCausalLM"]}, context)
     layers = cfg["num_hidden_layers"]
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -59,8 +59,9 @@ GGUF_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.ga
 _STACKED = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def per_expert(weights: dict[str, Weight]) -> dict[str, Weight]:
-    """Stacked expert tensors ([experts, out, in]) as one tensor per expert, as HF names them."""
+def per_expert(weights: dict[str, Weight], arch: ArchConfig) -> dict[str, Weight]:
+    """Stacked expert tensors ([experts, out, in]) as one tensor per expert, as HF names them (arch:
+    unused, each stack knows its experts)."""
     out: dict[str, Weight] = {}
     for name, w in weights.items():
         m = _STACKED.match(name)

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from tandem.model import arch as llama_arch
-from tandem.model import gemma3, qwen3_moe
+from tandem.model import gemma3, granite, olmo2, phi3, qwen3_moe, smollm3
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.gemma3 import Gemma3ForCausalLM
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.olmo2 import Olmo2ForCausalLM
 from tandem.model.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -28,7 +29,9 @@ class ModelFamily:
     model_cls: type[CausalLM]
     hf_architectures: tuple[str, ...]  # config.json "architectures" it serves
     gguf_architectures: tuple[str, ...]  # GGUF general.architecture values it serves
-    arch_from_hf: Callable[[dict[str, Any]], ArchConfig]
+    # (config.json, the deployment's context or None) -> shape; the context fixes the RoPE scalings that
+    # depend on a length (rope.py).
+    arch_from_hf: Callable[[dict[str, Any], int | None], ArchConfig]
     arch_from_gguf: Callable[[dict[str, Any], bool, bool], ArchConfig]
     # GGUF per-layer tensor names -> HF module names, where they differ from the Llama family's.
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
@@ -36,8 +39,9 @@ class ModelFamily:
     gguf_rope_permuted: tuple[str, ...] = ()
     # Added to a HF checkpoint's norm weights (Gemma stores w for a norm that multiplies by 1 + w).
     hf_norm_offset: float = 0.0
-    # The checkpoint's tensors as the model (and a shard plan) names them, once read (MoE: per expert).
-    prepare_weights: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # The checkpoint's tensors as the model (and a shard plan) names them, once read (MoE: per expert;
+    # Phi-3: its fused tensors split).
+    prepare_weights: Callable[[dict[str, Any], ArchConfig], dict[str, Any]] | None = None
 
     def hf_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.hf_norm_offset and name.endswith("norm.weight"):
@@ -58,6 +62,16 @@ FAMILIES = (
     ModelFamily("qwen3moe", Qwen3MoeForCausalLM, qwen3_moe.HF_ARCHITECTURES, (qwen3_moe.GGUF_ARCHITECTURE,),
                 qwen3_moe.arch_from_hf_config, qwen3_moe.arch_from_gguf_metadata,
                 gguf_layer_names=qwen3_moe.GGUF_LAYER_NAMES, prepare_weights=qwen3_moe.per_expert),
+    ModelFamily("phi3", LlamaForCausalLM, phi3.HF_ARCHITECTURES, (phi3.GGUF_ARCHITECTURE,), phi3.arch_from_hf_config,
+                phi3.arch_from_gguf_metadata, gguf_layer_names=phi3.GGUF_LAYER_NAMES, prepare_weights=phi3.split_fused),
+    ModelFamily("smollm3", LlamaForCausalLM, smollm3.HF_ARCHITECTURES, (smollm3.GGUF_ARCHITECTURE,),
+                smollm3.arch_from_hf_config, smollm3.arch_from_gguf_metadata,
+                gguf_rope_permuted=(smollm3.GGUF_ARCHITECTURE,)),
+    ModelFamily("granite", LlamaForCausalLM, granite.HF_ARCHITECTURES, (granite.GGUF_ARCHITECTURE,),
+                granite.arch_from_hf_config, granite.arch_from_gguf_metadata,
+                gguf_rope_permuted=(granite.GGUF_ARCHITECTURE,)),
+    ModelFamily("olmo2", Olmo2ForCausalLM, olmo2.HF_ARCHITECTURES, (olmo2.GGUF_ARCHITECTURE,),
+                olmo2.arch_from_hf_config, olmo2.arch_from_gguf_metadata, gguf_layer_names=olmo2.GGUF_LAYER_NAMES),
 )
 
 

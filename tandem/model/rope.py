@@ -12,8 +12,18 @@ where the checkpoint scales its context:
   yarn      YaRN (Qwen2.5's long context): a linear ramp between the pairs that rotate more than
             beta_fast times over the original context (kept) and those that rotate less than
             beta_slow times (divided by `factor`), and cos / sin scaled by an attention factor
-            (0.1 ln(factor) + 1 unless given; transformers' _compute_yarn_parameters).
-The factors are fixed per model, so a cached key means the same for every request.
+            (0.1 ln(factor) + 1 unless given; transformers' _compute_yarn_parameters);
+  longrope  Phi-3/4's: each pair's own divisor, the long list when the deployment's context exceeds
+            the original one and the short list otherwise, and cos / sin scaled by
+            sqrt(1 + ln(factor) / ln(original)) (transformers' _compute_longrope_parameters);
+  dynamic   dynamic NTK: the base raised for contexts past max_position_embeddings
+            (transformers' _compute_dynamic_ntk_parameters).
+Longrope and dynamic NTK depend on a length. transformers takes the current sequence's; here it is the
+deployment's context (--max-model-len, else the model's), as llama.cpp takes its context size: the
+factors are fixed per deployment, so a cached key means the same for every request.
+
+A checkpoint may rotate only the first rotary_dim dimensions of each head (partial_rotary_factor:
+Phi-4-mini, GPT-NeoX); the frequencies are then over rotary_dim, and the rest pass through.
 """
 
 from __future__ import annotations
@@ -79,53 +89,97 @@ def yarn(head_dim: int, theta: float, params: dict[str, Any], max_position: int)
     return tuple((base / scaled).tolist()), float(attention)
 
 
+def longrope(long: list[float], short: list[float], original: int, max_position: int, context: int,
+             factor: float | None = None, attention: float | None = None) -> tuple[tuple[float, ...], float]:
+    """(each pair's divisor, the attention factor) under longrope for a deployment of this context."""
+    factor = factor or max_position / original
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return tuple(float(f) for f in (long if context > original else short)), float(attention)
+
+
+def dynamic_ntk_theta(theta: float, factor: float, rotary_dim: int, max_position: int, context: int) -> float:
+    """The base under dynamic NTK for a deployment of this context (unchanged within max_position)."""
+    seq = max(context, max_position)
+    return theta * ((factor * seq / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
 @dataclass(frozen=True)
 class Rope:
     theta: float
     linear_factor: float = 1.0
     freq_factors: tuple[float, ...] = ()  # each pair's divisor
-    attention_factor: float = 1.0  # cos and sin scaled by it (YaRN)
+    attention_factor: float = 1.0  # cos and sin scaled by it (YaRN, longrope)
+    rotary_dim: int = 0  # the dimensions of each head rotated (the first ones); 0: all of head_dim
 
 
-def rope_from_hf(cfg: dict[str, Any], head_dim: int) -> Rope:
-    """A config.json's RoPE: transformers 4's rope_scaling or 5's rope_parameters. NotImplementedError
-    for a scaling not built yet."""
+def rope_from_hf(cfg: dict[str, Any], head_dim: int, context: int | None = None) -> Rope:
+    """A config.json's RoPE: transformers 4's rope_scaling or 5's rope_parameters, for a deployment of
+    `context` tokens (None: max_position_embeddings). NotImplementedError for a scaling not built yet."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise NotImplementedError("rotary dimensions narrower than head_dim (partial_rotary_factor) are not "
-                                  "supported yet")
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    dim = int(head_dim * partial)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise NotImplementedError(f"partial_rotary_factor {partial} gives {dim} rotary dimensions of {head_dim}")
+    rotary_dim = dim if dim < head_dim else 0
+    max_position = int(cfg.get("max_position_embeddings", 4096))
+    context = context or max_position
     if kind == "default":
-        return Rope(theta)
+        return Rope(theta, rotary_dim=rotary_dim)
     if kind == "linear":
-        return Rope(theta, float(params["factor"]))
+        return Rope(theta, float(params["factor"]), rotary_dim=rotary_dim)
     if kind == "llama3":
         return Rope(theta, freq_factors=llama3_factors(
-            head_dim, theta, float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
-            float(params.get("high_freq_factor", 4.0)), int(params["original_max_position_embeddings"])))
+            dim, theta, float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
+            float(params.get("high_freq_factor", 4.0)), int(params["original_max_position_embeddings"])),
+            rotary_dim=rotary_dim)
     if kind == "yarn":
-        factors, attention = yarn(head_dim, theta, params, int(cfg.get("max_position_embeddings", 4096)))
-        return Rope(theta, freq_factors=factors, attention_factor=attention)
+        factors, attention = yarn(dim, theta, params, max_position)
+        return Rope(theta, freq_factors=factors, attention_factor=attention, rotary_dim=rotary_dim)
+    if kind in ("longrope", "su"):
+        original = int(params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        factors, attention = longrope(params["long_factor"], params["short_factor"], original, max_position, context,
+                                      params.get("factor"), params.get("attention_factor"))
+        if len(factors) != dim // 2:
+            raise ValueError(f"longrope lists {len(factors)} factors for {dim // 2} rotary pairs")
+        return Rope(theta, freq_factors=factors, attention_factor=attention, rotary_dim=rotary_dim)
+    if kind == "dynamic":
+        return Rope(dynamic_ntk_theta(theta, float(params["factor"]), dim, max_position, context),
+                    rotary_dim=rotary_dim)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
 
 
 def rope_from_gguf(meta: dict[str, Any], arch: str, head_dim: int, max_position: int) -> Rope:
     """A GGUF file's RoPE from its `<arch>.rope.*` metadata, as llama.cpp's converter writes a config's
     scaling (`rope.scaling.type` linear or yarn, `.factor`, `.original_context_length`, `.attn_factor`,
-    `.yarn_beta_fast` / `.yarn_beta_slow`); Llama 3's comes as the rope_freqs tensor (loader.py)."""
+    `.yarn_beta_fast` / `.yarn_beta_slow`; `rope.dimension_count` narrower than a head: partial rotary);
+    Llama 3's comes as the rope_freqs tensor, longrope's as rope_factors_long / _short (loader.py,
+    gguf_longrope)."""
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    rotary_dim = dim if dim < head_dim else 0
     key = f"{arch}.rope.scaling."
     kind = str(meta.get(key + "type", "none"))
     if kind == "none":
-        return Rope(theta)
+        return Rope(theta, rotary_dim=rotary_dim)
     factor = float(meta.get(key + "factor", 1.0))
     if kind == "linear":
-        return Rope(theta, factor)
+        return Rope(theta, factor, rotary_dim=rotary_dim)
     if kind == "yarn":
         params = {"factor": factor, "original_max_position_embeddings": meta.get(key + "original_context_length"),
                   "attention_factor": meta.get(key + "attn_factor"), "beta_fast": meta.get(key + "yarn_beta_fast"),
                   "beta_slow": meta.get(key + "yarn_beta_slow")}
-        factors, attention = yarn(head_dim, theta, params, max_position)
-        return Rope(theta, freq_factors=factors, attention_factor=attention)
+        factors, attention = yarn(dim, theta, params, max_position)
+        return Rope(theta, freq_factors=factors, attention_factor=attention, rotary_dim=rotary_dim)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
+
+
+def gguf_longrope(meta: dict[str, Any], arch: str, long: list[float], short: list[float], max_position: int,
+                  context: int | None) -> tuple[tuple[float, ...], float]:
+    """(divisors, attention factor) from the rope_factors_long / _short tensors llama.cpp's converter
+    writes for longrope (Phi-3/4), with its `rope.scaling.attn_factor` and original context."""
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or max_position)
+    return longrope(long, short, original, max_position, context or max_position,
+                    attention=meta.get(f"{arch}.rope.scaling.attn_factor"))

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, replace
 
 from tandem.model.arch import ArchConfig
-from tandem.model.linear import Weight
+from tandem.model.linear import Weight, weight_rows
 from tandem.model.quant import QuantizedWeight, slice_weight
 
 
@@ -107,10 +107,6 @@ def shard_arch(arch: ArchConfig, shard: Shard) -> ArchConfig:
     return replace(arch, **changes)
 
 
-def _rows(w: Weight, r: tuple[int, int]) -> Weight:
-    return slice_weight(w, rows=r) if isinstance(w, QuantizedWeight) else w[r[0]:r[1]]
-
-
 def _cols(w: Weight, c: tuple[int, int]) -> Weight:
     if isinstance(w, QuantizedWeight):
         try:
@@ -143,7 +139,7 @@ def shard_weights(weights: dict[str, Weight], arch: ArchConfig, shard: Shard) ->
         m = _LAYER.match(name)
         if m is None:
             if shard.splits_layers and name in ("embed_tokens.weight", "lm_head.weight"):
-                w = _rows(w, split_range(arch.vocab_size, shard.size, shard.rank))  # vocab-parallel
+                w = weight_rows(w, *split_range(arch.vocab_size, shard.size, shard.rank))  # vocab-parallel
             out[full] = w
             continue
         rest = m.group(2)
@@ -153,20 +149,20 @@ def shard_weights(weights: dict[str, Weight], arch: ArchConfig, shard: Shard) ->
             if not e0 <= e < e1:
                 continue
             if shard.splits_experts:
-                w = _cols(w, moe) if kind == "down_proj" else _rows(w, moe)
+                w = _cols(w, moe) if kind == "down_proj" else weight_rows(w, *moe)
             out[f"layers.{m.group(1)}.mlp.experts.{e - e0}.{kind}.weight"] = w
             continue
         if shard.splits_layers:
             module, _, kind = rest.rpartition(".")
             proj = module.rsplit(".", 1)[-1]
             if proj in parts:
-                w = _rows(w, parts[proj])
+                w = weight_rows(w, *parts[proj])
             elif proj == "o_proj":
                 if kind == "bias":
                     raise ValueError("a row-parallel o_proj with a bias is not supported")
                 w = _cols(w, parts["q_proj"])
             elif module == "mlp.gate_proj" or module == "mlp.up_proj":
-                w = _rows(w, inter)
+                w = weight_rows(w, *inter)
             elif module == "mlp.down_proj":
                 w = _cols(w, inter)
         out[full] = w

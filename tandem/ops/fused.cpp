@@ -95,14 +95,16 @@ void add_rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t 
 //   out[i] = x[i] * cos[i] + rot[i] * sin[i],  rot = (-x[half:], x[:half]),
 // each product and the sum rounded to T, as the three PyTorch ops of the fallback do.
 template <typename T>
-void rotary_rows(T* x, int64_t t_stride, int64_t heads, int64_t tokens, int64_t d, const T* cos, const T* sin) {
+// Rotates the first d dimensions of each head (h_stride apart; d < h_stride: partial rotary).
+void rotary_rows(T* x, int64_t t_stride, int64_t heads, int64_t h_stride, int64_t tokens, int64_t d, const T* cos,
+                 const T* sin) {
   const int64_t half = d / 2;
   at::parallel_for(0, tokens, grain(heads * d), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* c = cos + t * d;
       const T* s = sin + t * d;
       for (int64_t h = 0; h < heads; ++h) {
-        T* v = x + t * t_stride + h * d;
+        T* v = x + t * t_stride + h * h_stride;
 #if defined(__AVX512F__)
         if (half % 16 == 0) {
           for (int64_t i = 0; i < half; i += 16) {
@@ -254,16 +256,16 @@ void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, co
     TORCH_CHECK(x->scalar_type() == cos.scalar_type(), "rotary_: q/k and cos/sin must share a dtype");
   }
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
-                  cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && k.size(0) == q.size(0) &&
-                  k.size(2) == q.size(2) && q.size(2) % 2 == 0,
-              "rotary_: cos/sin must be contiguous [T, D], with T and even D matching q and k");
+                  cos.size(0) == q.size(0) && cos.size(1) <= q.size(2) && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && cos.size(1) % 2 == 0,
+              "rotary_: cos/sin must be contiguous [T, R], with T matching q and k and an even R <= their D");
   TORCH_CHECK(cos.scalar_type() == at::kFloat || cos.scalar_type() == at::kBFloat16,
               "rotary_: dtype must be float32 or bfloat16");
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     for (const at::Tensor* x : {&q, &k})
-      rotary_rows<T>(x->data_ptr<T>(), x->stride(0), x->size(1), x->size(0), x->size(2), cos.data_ptr<T>(),
-                     sin.data_ptr<T>());
+      rotary_rows<T>(x->data_ptr<T>(), x->stride(0), x->size(1), x->size(2), x->size(0), cos.size(1),
+                     cos.data_ptr<T>(), sin.data_ptr<T>());
   });
 }
 

@@ -55,7 +55,8 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q [T, H, D] and k [T, KVH, D] with cos/sin [T, D] of their positions.
+    """Rotate-half RoPE of q [T, H, D] and k [T, KVH, D] with cos/sin [T, R] of their positions: the
+    first R <= D dimensions of each head rotate (R < D: partial rotary), the rest pass through.
 
     The kernel rotates q and k in place (they may be strided views of one qkv projection); the
     fallback returns new tensors. Use the returned pair either way."""
@@ -70,10 +71,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def rotary_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    r = cos.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        rot, rest = x[..., :r], x[..., r:]
+        half = r // 2
+        out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
     return rotate(q), rotate(k)
 

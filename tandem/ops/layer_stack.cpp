@@ -110,6 +110,7 @@ struct LayerW {
   std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's and Gemma 3's per-head norms
   std::vector<LinearW> linears;               // qkv, o, gate_up, down
   int64_t window = 0;
+  bool rotates = true;                        // false: a layer without RoPE (SmolLM3)
   // Gemma 3's sandwich: post_norm normalises the attention output, pre_ff_norm adds it to the
   // residual stream and normalises the MLP's input, post_ff_norm its output; local: the sliding
   // layers' own rotary table.
@@ -143,12 +144,16 @@ class LayerStack : public torch::CustomClassHolder {
     L.local = local;
   }
 
-  // q_norm/k_norm: empty tensors when the family has none.
+  // q_norm/k_norm: empty tensors when the family has none; rotates: false for a layer without RoPE.
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& q_norm,
-                 const at::Tensor& k_norm, int64_t window) {
+                 const at::Tensor& k_norm, int64_t window, bool rotates) {
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "LayerStack: the previous layer lacks linears");
-    layers_.push_back(LayerW{input_norm.contiguous(), post_norm.contiguous(), given(q_norm), given(k_norm), {}, window});
+    layers_.push_back(
+        LayerW{input_norm.contiguous(), post_norm.contiguous(), given(q_norm), given(k_norm), {}, window, rotates});
   }
+
+  // Every attention and MLP output scaled by it before the residual add (Granite's residual multiplier).
+  void set_residual_scale(double scale) { residual_scale_ = scale; }
 
   // The next of the last layer's linears, in the order qkv, o, gate_up, down; bias: empty for none;
   // max_rows: the most rows this form serves (0: any); wide: kPanels' oneDNN copy (None: none).
@@ -219,10 +224,7 @@ class LayerStack : public torch::CustomClassHolder {
         q = rms_norm(q.reshape({-1, D_}), *L.q_norm, eps_).view({T, H_, D_});
         k = rms_norm(k.reshape({-1, D_}), *L.k_norm, eps_).view({T, KVH_, D_});
       }
-      if (L.local)
-        rotary_(q, k, local_cos, local_sin);
-      else
-        rotary_(q, k, cos, sin);
+      if (L.rotates) rotary_(q, k, L.local ? local_cos : cos, L.local ? local_sin : sin);
       at::Tensor k_cache = kv_caches[i][0], v_cache = kv_caches[i][1];
       write_kv(k, v, k_cache, v_cache, slot_mapping);
       at::Tensor attn;
@@ -246,13 +248,13 @@ class LayerStack : public torch::CustomClassHolder {
                                       0.0, out);
         }
       }
-      const at::Tensor o = reduce(L.linears[1](attn.view({attn.size(0), q_size})));
+      const at::Tensor o = scaled(reduce(L.linears[1](attn.view({attn.size(0), q_size}))));
       if (L.pre_ff_norm) {
         std::tie(h, residual) = add_rms_norm(rms_norm(o, L.post_norm, eps_), residual, *L.pre_ff_norm, eps_);
         x = rms_norm(reduce(L.linears[3](activation(L.linears[2](h)))), *L.post_ff_norm, eps_);
       } else {
         std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
-        x = reduce(L.linears[3](activation(L.linears[2](h))));
+        x = scaled(reduce(L.linears[3](activation(L.linears[2](h)))));
       }
     }
     return {x, residual};
@@ -264,6 +266,8 @@ class LayerStack : public torch::CustomClassHolder {
     return group_all_reduce(partial, group_base_, group_rank_, group_size_, group_slot_bytes_);
   }
 
+  at::Tensor scaled(const at::Tensor& t) const { return residual_scale_ == 1.0 ? t : t * residual_scale_; }
+
   // GatedMLP's arithmetic, op for op.
   at::Tensor activation(const at::Tensor& gate_up) const {
     if (act_ == kSilu) return silu_and_mul(gate_up);
@@ -273,6 +277,7 @@ class LayerStack : public torch::CustomClassHolder {
 
   int64_t H_, KVH_, D_;
   double eps_, scale_;
+  double residual_scale_ = 1.0;
   int64_t act_;
   std::vector<LayerW> layers_;
   int64_t max_rows_ = std::numeric_limits<int64_t>::max();
@@ -288,6 +293,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
       .def("set_sandwich", &tandem_ops::LayerStack::set_sandwich)
       .def("add_linear", &tandem_ops::LayerStack::add_linear)
       .def("set_group", &tandem_ops::LayerStack::set_group)
+      .def("set_residual_scale", &tandem_ops::LayerStack::set_residual_scale)
       .def("group_slot_bytes", &tandem_ops::LayerStack::group_slot_bytes)
       .def("num_layers", &tandem_ops::LayerStack::num_layers)
       .def("max_rows", &tandem_ops::LayerStack::max_rows)
