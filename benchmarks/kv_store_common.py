@@ -32,8 +32,8 @@ CONFIGS = ("pool", "tiers")
 def kv_block_bytes(model: str | None) -> int:
     """Bytes of one stored KV block, float32 (an upper bound for auto's dtype), from the GGUF's metadata."""
     try:
+        from tandem.gguf_index import read_gguf
         from tandem.model.arch import arch_from_gguf_metadata
-        from tandem.model.gguf_index import read_gguf
         from tandem.model_path import resolve_model_path
 
         tensors, meta = read_gguf(resolve_model_path(model))

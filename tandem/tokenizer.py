@@ -40,19 +40,20 @@ def load_gguf_tokenizer(path: Path) -> Any | None:
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
         return _from_directory(cached)
-    import gguf
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if "tokenizer.ggml.tokens" not in gguf.GGUFReader(path).fields:
+    from tandem.gguf_index import read_gguf
+
+    _, meta = read_gguf(path)  # the cached index: no second parse of the file's header
+    if "tokenizer.ggml.tokens" not in meta:
         return None
     log.info("building tokenizer from GGUF metadata (cached afterwards in %s)", cached)
-    try:
+    if meta.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except ValueError:
+    else:
         # AutoTokenizer reads the model's config first and knows fewer architectures than Tandem
         # serves (smollm3, granite ...); the fast tokenizer is built from the tokenizer.* keys alone.
-        from transformers import PreTrainedTokenizerFast
-
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(cached)
     return tokenizer

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tandem.model.gguf_index import read_gguf
+from tandem.gguf_index import read_gguf
 
 
 def test_the_index_matches_gguf_py_cold_and_warm(default_model_path: Path, tmp_path: Path,

