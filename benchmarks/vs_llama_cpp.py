@@ -124,7 +124,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default="/work/llama/bin/llama-server")
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the default model); "
-                    "benchmarks/llama_shapes.py makes Llama-3.2 1B/3B shapes")
+                    "benchmarks/model_shapes.py makes Llama-3.2 1B/3B, Phi-4-mini and SmolLM3-3B shapes")
     ap.add_argument("--servers", default="tandem,tandem-int8kv,tandem-dense,llama.cpp")
     ap.add_argument("--workloads", default="", help="comma-separated subset of " + ",".join(w.name for w in WORKLOADS))
     ap.add_argument("--threads", type=int, default=2)

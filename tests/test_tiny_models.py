@@ -190,3 +190,13 @@ def test_sliding_window_with_prefix_caching(kind: str, tmp_path: Path, make_llm)
             expected = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(p):].tolist()
             assert out.outputs[0].token_ids == expected
+
+
+def test_a_checkpoint_tensor_nothing_reads_is_refused_by_name(tmp_path: Path) -> None:
+    """A layout not built (here Llama's mlp_bias) is an error at load that names the tensors, never
+    weights silently dropped."""
+    from tandem.model_path import ModelLoadError
+
+    path, _ = random_hf_model(LlamaForCausalLM, LlamaConfig(**COMMON, mlp_bias=True), tmp_path / "mlp-bias")
+    with pytest.raises(ModelLoadError, match=r"does not use: \['layers\.0\.mlp\.down_proj\.bias'"):
+        load_model(str(path), torch.float32)

@@ -1,0 +1,122 @@
+"""Random-weight models at the real shapes of the checkpoints users serve, as GGUF files made by
+llama.cpp's own tools: for speed at size (issues #46, #47). Random weights say nothing about quality.
+
+    .venv/bin/pip install -e ".[bench]"      # sentencepiece, which the converter imports
+    .venv/bin/python benchmarks/model_shapes.py --llama-cpp /work/llama/llama.cpp 1b Q4_K_M Q4_0
+
+Shapes (the real vocabulary sizes: SmolLM2's tokenizer, which llama.cpp's converter pads to the config's size):
+  1b           Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied, vocab 128,256
+  3b           Llama-3.2-3B: hidden 3072, 28 layers, 24 heads, 8 KV heads, MLP 8192, tied, vocab 128,256
+  phi-4-mini   Phi-4-mini: hidden 3072, 32 layers, 24 heads, 8 KV heads, MLP 8192, tied, vocab 200,064,
+               96 of 128 dimensions rotated, longrope (original context 4,096 of 131,072)
+  smollm3-3b   SmolLM3-3B: hidden 2048, 36 layers, 16 heads, 4 KV heads, MLP 11008, tied, vocab 128,256,
+               every fourth layer without RoPE
+(Qwen2.5 is left out: transformers gives a Qwen2 directory Qwen2's pre-tokenizer, which llama.cpp's
+converter does not recognise over SmolLM2's vocabulary, the only one here.)
+Made once into ~/.cache/tandem/models/<name>-shape-<type>.gguf: a Hugging Face directory of seeded normal
+weights (std 0.02, bfloat16), `convert_hf_to_gguf.py --outtype bf16`, then `llama-quantize` (llama.cpp's
+source ships in the llama-cpp-python sdist on PyPI; benchmarks/vs_llama_cpp.py says how to build it).
+Prints the paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tandem.cache import cache_dir
+from tandem.model_path import default_model_path
+from tandem.tokenizer import load_gguf_tokenizer
+
+LLAMA3 = dict(architecture="LlamaForCausalLM", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+              max_position_embeddings=131072, tie_word_embeddings=True, num_key_value_heads=8, intermediate_size=8192)
+SHAPES = {
+    "1b": dict(LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32),
+    "3b": dict(LLAMA3, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24),
+    "phi-4-mini": dict(architecture="Phi3ForCausalLM", vocab_size=200064, hidden_size=3072, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192, rms_norm_eps=1e-5,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       tie_word_embeddings=True, partial_rotary_factor=0.75,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
+                                        "long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0] * 48}),
+    "smollm3-3b": dict(architecture="SmolLM3ForCausalLM", vocab_size=128256, hidden_size=2048, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008, rms_norm_eps=1e-6,
+                       rope_theta=5000000.0, max_position_embeddings=65536, tie_word_embeddings=True),
+}
+NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "phi-4-mini": "phi-4-mini", "smollm3-3b": "smollm3-3b"}
+
+
+def hf_directory(shape: str, out: Path) -> Path:
+    import json
+
+    import transformers
+
+    if (out / "config.json").exists():
+        return out
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("architecture")
+    model_cls = getattr(transformers, arch)
+    cfg = model_cls.config_class(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **spec)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16, not built in float32 and copied
+    try:
+        model = model_cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    staging = out.with_suffix(".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    if arch == "Phi3ForCausalLM":  # Phi-3's converter reads a BPE vocabulary only from a GPT2Tokenizer config
+        config = staging / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+    staging.rename(out)
+    return out
+
+
+def gguf_file(shape: str, qtype: str, llama_cpp: Path) -> Path:
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    out = models / f"{NAMES[shape]}-shape-{qtype}.gguf"
+    if out.exists():
+        return out
+    bf16 = models / f"{NAMES[shape]}-shape-BF16.gguf"
+    if not bf16.exists():
+        hf = hf_directory(shape, models / f"{NAMES[shape]}-shape-hf")
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+                        "--outfile", str(bf16)], check=True)
+    if qtype == "BF16":
+        return bf16
+    quantize = next(p for p in (llama_cpp / "build" / "bin" / "llama-quantize",) if p.exists())
+    subprocess.run([str(quantize), str(bf16), str(out.with_suffix(".partial")), qtype], check=True)
+    out.with_suffix(".partial").rename(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree, llama-quantize built")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("types", nargs="+", help="llama-quantize types, e.g. Q4_K_M Q4_0 (BF16: the converted file)")
+    args = ap.parse_args()
+    for qtype in args.types:
+        print(gguf_file(args.shape, qtype, args.llama_cpp))
+
+
+if __name__ == "__main__":
+    main()
