@@ -1,6 +1,7 @@
 """The native layer stack (ops/layer_stack.cpp) against the Python layer loop it replaces: the same
 logits and the same KV pool, to the bit, for every Llama-family variant (qkv bias, q/k norm, a
-sliding window) and Gemma 3 (sandwich norms, GeGLU, a local rotary table), float32 and bf16, a
+sliding window, a partial rotary, layers without RoPE, Granite's multipliers), OLMo 2 (norms after
+attention and the MLP) and Gemma 3 (sandwich norms, GeGLU, a local rotary table), float32 and bf16, a
 float and an int8 pool, and the step shapes an engine runs: prompt chunks over cached context
 beside decodes, pure decodes, and logits for a few rows only."""
 
@@ -52,7 +53,8 @@ def both_paths(model, kv: torch.Tensor, step: tuple) -> tuple[torch.Tensor, bool
 
 @pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3", "gemma3-softcap"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3", "gemma3-softcap",
+                                  "phi4-partial", "smollm3", "granite", "olmo2"])
 def test_the_stack_computes_what_the_python_loop_does(kind: str, dtype: torch.dtype, kv: str,
                                                      tmp_path: Path) -> None:
     path, _ = build(kind, tmp_path)

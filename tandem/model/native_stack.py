@@ -33,15 +33,13 @@ _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 def build_layer_stack(model: Any) -> Any | None:
     """A LayerStack for the layers of a LlamaForCausalLM (and the families on it: partial rotary, layers
-    without RoPE, Granite's residual multiplier) or a Gemma3ForCausalLM, or None where it cannot
-    serve them."""
+    without RoPE, Granite's residual multiplier, OLMo 2's norms after attention and the MLP) or a
+    Gemma3ForCausalLM, or None where it cannot serve them."""
     if not native_layers_enabled() or not extension.extension_available():
         return None
     norm = model.norm.weight
     cfg = model.cfg
     if cfg.num_experts:  # the stack has no mixture of experts
-        return None
-    if not getattr(model.layers[0], "native_stack", True):  # a layout the stack does not have (olmo2.py)
         return None
     if norm.device.type != "cpu" or norm.dtype not in _DTYPES or cfg.head_dim % 16:  # the kernels' rows
         return None
@@ -58,9 +56,12 @@ def build_layer_stack(model: Any) -> Any | None:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = attn.q_norm.weight if attn.q_norm is not None else none
         k_norm = attn.k_norm.weight if attn.k_norm is not None else none
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
-                        attn.window, attn.rotates)
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
+        post_norms = not hasattr(layer, "input_layernorm")  # OLMo 2: norms after attention and the MLP only
+        stack.add_layer(none if post_norms else layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        q_norm, k_norm, attn.window, attn.rotates)
+        if post_norms:
+            stack.set_post_norms(layer.post_feedforward_layernorm.weight)
+        elif hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3
             stack.set_sandwich(layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight,
                                layer.local)
         linear: Linear

@@ -1,7 +1,6 @@
 """OLMo 2 (transformers' Olmo2ForCausalLM, llama.cpp's olmo2): norms after attention and after the
-MLP instead of before them, and q/k norms over the whole projection (not per head).
-
-Its layers run on the Python loop: the native stack (ops/layer_stack.cpp) has the pre-norm layout only.
+MLP instead of before them, and q/k norms over the whole projection (not per head). The native
+stack (ops/layer_stack.cpp, set_post_norms) runs the same ops in the same order.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    native_stack = False  # see the module's docstring
-
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, layer: int) -> None:
         super().__init__()
         prefix, hidden, eps = f"layers.{layer}.", cfg.hidden_size, cfg.rms_norm_eps

@@ -116,6 +116,9 @@ struct LayerW {
   // layers' own rotary table.
   std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
   bool local = false;
+  // OLMo 2's layout: no norm before attention or the MLP; post_norm normalises the attention output
+  // and post_ff_norm the MLP's, each before its residual add; q/k norms over the whole projection.
+  bool post_norms = false;
 };
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
@@ -142,6 +145,13 @@ class LayerStack : public torch::CustomClassHolder {
     L.pre_ff_norm = pre_ff_norm.contiguous();
     L.post_ff_norm = post_ff_norm.contiguous();
     L.local = local;
+  }
+
+  // Makes the last layer an OLMo 2 layer (see LayerW; its input_norm is unused).
+  void set_post_norms(const at::Tensor& post_ff_norm) {
+    TORCH_CHECK(!layers_.empty(), "LayerStack: add_layer first");
+    layers_.back().post_ff_norm = post_ff_norm.contiguous();
+    layers_.back().post_norms = true;
   }
 
   // q_norm/k_norm: empty tensors when the family has none; rotates: false for a layer without RoPE.
@@ -210,7 +220,10 @@ class LayerStack : public torch::CustomClassHolder {
       const LayerW& L = layers_[i];
       const bool last_sampled = sampled_only && i + 1 == num_layers();
       at::Tensor h;
-      if (i == 0) {
+      if (L.post_norms) {  // the previous output joins the stream, which attention reads unnormed
+        if (i > 0) x = x + residual;
+        residual = h = x;
+      } else if (i == 0) {
         residual = x;
         h = rms_norm(x, L.input_norm, eps_);
       } else {
@@ -220,7 +233,10 @@ class LayerStack : public torch::CustomClassHolder {
       at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H_, D_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, KVH_, D_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH_, D_});
-      if (L.q_norm && L.k_norm) {
+      if (L.q_norm && L.k_norm && L.post_norms) {  // over the whole projection (OLMo 2)
+        q = rms_norm(qkv.narrow(1, 0, q_size).contiguous(), *L.q_norm, eps_).view({T, H_, D_});
+        k = rms_norm(qkv.narrow(1, q_size, kv_size).contiguous(), *L.k_norm, eps_).view({T, KVH_, D_});
+      } else if (L.q_norm && L.k_norm) {
         q = rms_norm(q.reshape({-1, D_}), *L.q_norm, eps_).view({T, H_, D_});
         k = rms_norm(k.reshape({-1, D_}), *L.k_norm, eps_).view({T, KVH_, D_});
       }
@@ -249,7 +265,10 @@ class LayerStack : public torch::CustomClassHolder {
         }
       }
       const at::Tensor o = scaled(reduce(L.linears[1](attn.view({attn.size(0), q_size}))));
-      if (L.pre_ff_norm) {
+      if (L.post_norms) {
+        residual = residual + rms_norm(o, L.post_norm, eps_);
+        x = rms_norm(reduce(L.linears[3](activation(L.linears[2](residual)))), *L.post_ff_norm, eps_);
+      } else if (L.pre_ff_norm) {
         std::tie(h, residual) = add_rms_norm(rms_norm(o, L.post_norm, eps_), residual, *L.pre_ff_norm, eps_);
         x = rms_norm(reduce(L.linears[3](activation(L.linears[2](h)))), *L.post_ff_norm, eps_);
       } else {
@@ -291,6 +310,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &tandem_ops::LayerStack::add_layer)
       .def("set_sandwich", &tandem_ops::LayerStack::set_sandwich)
+      .def("set_post_norms", &tandem_ops::LayerStack::set_post_norms)
       .def("add_linear", &tandem_ops::LayerStack::add_linear)
       .def("set_group", &tandem_ops::LayerStack::set_group)
       .def("set_residual_scale", &tandem_ops::LayerStack::set_residual_scale)
