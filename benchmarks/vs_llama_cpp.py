@@ -51,6 +51,7 @@ WORKLOADS = [Workload("one-stream", 256, 128, 1, 4), Workload("c8", 256, 128, 8,
              Workload("c32", 256, 128, 32, 64), Workload("long", 2048, 64, 16, 16)]
 SLOTS = 32  # llama-server's parallel sequences: the largest concurrency
 TANDEM_SERVERS = {  # name -> its `tandem serve` flags
+    "tandem-auto": [],  # what a user gets: --quantization auto (by the CPU and the model's size)
     "tandem": ["--quantization", "gguf"],  # the file's blocks as stored (the default where bf16 is not native)
     # The blocks as stored with int8 activations (llama.cpp's arithmetic; K-quants per 256).
     "tandem-q8": ["--quantization", "gguf-q8"],

@@ -77,9 +77,21 @@ def test_an_unknown_quantization_is_refused() -> None:
         load_model(None, torch.float32, quantization="int3")
 
 
-def test_auto_serves_the_blocks_unless_bf16_is_native() -> None:
+def test_auto_serves_the_blocks_unless_bf16_is_native_and_the_model_small() -> None:
     cpu = torch.device("cpu")
-    assert resolve_quantization("auto", torch.float32, cpu) == "gguf"
-    assert resolve_quantization("auto", torch.bfloat16, cpu) == ("none" if packing_supported(cpu, torch.bfloat16)
-                                                                 else "gguf")
-    assert resolve_quantization("gguf", torch.bfloat16, cpu) == "gguf"
+    native = packing_supported(cpu, torch.bfloat16)
+    small, large = 300 << 20, 2 << 30  # the default model's bf16 weights, and a 1B model's
+    assert resolve_quantization("auto", torch.float32, cpu, small) == "gguf"
+    assert resolve_quantization("auto", torch.bfloat16, cpu, small) == ("none" if native else "gguf")
+    assert resolve_quantization("auto", torch.bfloat16, cpu, large) == ("gguf-q8" if native else "gguf")
+    assert resolve_quantization("gguf", torch.bfloat16, cpu, large) == "gguf"
+
+
+def test_a_dense_load_holds_its_matrices_in_the_model_dtype(default_model_path) -> None:  # noqa: ANN001
+    """Dequantized one at a time into the dtype the model holds (never every matrix in float32 at once)."""
+    from tandem.model.loader import gguf_dense_bytes, load_gguf_weights
+
+    _, weights = load_gguf_weights(default_model_path, keep_quantized=False, dense_dtype=torch.bfloat16)
+    matrices = [w for w in weights.values() if w.dim() == 2]
+    assert matrices and all(w.dtype == torch.bfloat16 for w in matrices)
+    assert gguf_dense_bytes(default_model_path, torch.bfloat16) == sum(w.numel() * 2 for w in matrices)

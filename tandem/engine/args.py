@@ -20,8 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="gguf: a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights as stored (4.5-8.5 bits a "
                         "weight; other types are dequantized), activations "
                         "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
-                        "dequantize to --dtype; auto: gguf, or none where --dtype is bfloat16 computed natively "
-                        "(faster there, measured). A model directory is dense either way")
+                        "dequantize to --dtype; auto: gguf where --dtype is not bfloat16 computed natively; where "
+                        "it is, none up to 1 GiB of dense weights and gguf-q8 past that (each faster there, "
+                        "measured). A model directory is dense either way")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=ModelConfig.deterministic,
                    help="batch-invariant kernels: greedy output and logprobs are the same whether a request runs "
                         "alone or batched, streamed or not, from the prefix cache or not, prefilled whole or in "

@@ -91,11 +91,14 @@ def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
         raise ModelLoadError(str(e)) from e
 
 
-def load_gguf_weights(path: Path, keep_quantized: bool = False,
-                      context: int | None = None) -> tuple[ArchConfig, dict[str, Weight]]:
+def load_gguf_weights(path: Path, keep_quantized: bool = False, context: int | None = None,
+                      dense_dtype: torch.dtype = torch.float32) -> tuple[ArchConfig, dict[str, Weight]]:
     """keep_quantized: matrices in a format served as stored (block_formats.NATIVE_FORMATS: Q4_0, Q4_1,
     Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks (QuantizedWeight); everything else, and
-    everything when False, is dequantized to float32. context: the deployment's, for longrope."""
+    everything when False, is dequantized, matrices to dense_dtype one at a time (the dtype the model
+    holds them in: a bf16 model never holds every matrix in float32 at once, which a 3.8B file's
+    15 GB would not survive on a 24 GB machine), the rest to float32. context: the deployment's, for
+    longrope."""
     import gguf
 
     tensors, meta = _read_gguf(path)
@@ -134,7 +137,7 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False,
             name = gguf_to_hf_name(t.name, family)
             if fmt is not None:
                 blocks = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
-                weights[name] = blocks if keep_quantized else blocks.dequantize()
+                weights[name] = blocks if keep_quantized else blocks.dequantize().to(dense_dtype)
             else:
                 if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
                     array = array.copy()
@@ -192,14 +195,33 @@ def load_hf_weights(path: Path, context: int | None = None) -> tuple[ArchConfig,
 
 # -- entry point --------------------------------------------------------------------------------
 
-def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
-    """auto -> gguf, or none where the dense layers of dtype run natively in bfloat16: there oneDNN's
-    bf16 GEMMs and the dpbf16 small-batch kernel outrun the float-activation block kernel (measured on
-    an AVX512-BF16 EPYC: one stream 17.2 against 22.0 ms a token, prompts 3x faster), while on float32
-    the blocks as stored win (2.4x a decode step at batch 1 on AVX2)."""
+# auto dequantizes a GGUF file to native bf16 only up to this many bytes of dense weights (see resolve_quantization).
+AUTO_DENSE_MAX_BYTES = 1 << 30
+
+
+def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.device,
+                         dense_bytes: int | None = None) -> str:
+    """auto -> gguf (the blocks as stored, float activations) where the dense layers of dtype are not
+    native bfloat16 (on float32 the blocks win: 2.4x a decode step at batch 1 on AVX2). Where they
+    are, a small model is dequantized (none): its steps are dispatch-bound and oneDNN's bf16 GEMMs and
+    the dpbf16 small-batch kernel outrun the block kernels (135M: one stream 17.2 against 22.0 ms a
+    token, prompts 3x faster). Past AUTO_DENSE_MAX_BYTES of dense weights (dense_bytes: the file's
+    matrices in dtype) the blocks are served as stored with int8 activations (gguf-q8): decode is
+    bandwidth-bound there and the dense copy reads 3x the bytes (Llama-3.2-1B Q4_K_M: one stream
+    40.8 against 79.1 ms a token on a Zen 4 EPYC) and holds 3x the memory (a 3.8B Q4_K_M file's does
+    not fit beside its KV on 24 GB); its prompts are slower (256 tokens: 2.8 against 1.1 s at 1B)."""
     if quantization != "auto":
         return quantization
-    return "none" if packing_supported(device, dtype) else "gguf"
+    if not packing_supported(device, dtype):
+        return "gguf"
+    return "gguf-q8" if dense_bytes is not None and dense_bytes > AUTO_DENSE_MAX_BYTES else "none"
+
+
+def gguf_dense_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The bytes a GGUF file's matrices take dequantized to dtype (from its cached index)."""
+    tensors, _ = _read_gguf(path)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(int(np.prod(t.shape, dtype=np.int64)) * size for t in tensors if len(t.shape) == 2)
 
 
 def materialize(net: torch.nn.Module, device: str | torch.device) -> None:
@@ -225,21 +247,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
                quantization: str = "gguf", shard: Shard | None = None, context: int | None = None) -> LoadedModel:
     """quantization: "gguf" serves a GGUF file's weights as stored where their format has kernels
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; activations in float), "gguf-q8" the same with int8
-    activations, "none" dequantizes everything to dtype, "auto" is gguf unless dtype's dense path is
-    native bfloat16 (resolve_quantization). A directory's safetensors are dense whichever is chosen.
+    activations, "none" dequantizes everything to dtype, "auto" picks by the CPU and the model's size
+    (resolve_quantization). A directory's safetensors are dense whichever is chosen.
     shard: this process's part of a worker group (model/tensor_parallel.py): the model is built in its
     rank's shape from its part of the weights (LoadedModel.arch stays the whole model's). context: the
     deployment's --max-model-len, which fixes longrope's and dynamic NTK's factors (None: the model's own)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATION_CHOICES)}")
-    quantization = resolve_quantization(quantization, dtype, torch.device(device))
     path = resolve_model_path(model)
+    dense_bytes = gguf_dense_bytes(path, dtype) if path.suffix == ".gguf" and quantization == "auto" else None
+    quantization = resolve_quantization(quantization, dtype, torch.device(device), dense_bytes)
     t0 = time.perf_counter()
     startup.info("loading %s (%s, weights %s)", path, str(dtype).removeprefix("torch."), quantization)
     if path.is_dir():
         arch, weights = load_hf_weights(path, context)
     elif path.suffix == ".gguf":
-        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none", context=context)
+        arch, weights = load_gguf_weights(path, keep_quantized=quantization != "none", context=context,
+                                          dense_dtype=dtype)
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
     tokenizer = load_tokenizer(str(path))
