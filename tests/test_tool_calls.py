@@ -16,7 +16,7 @@ from conftest import DEFAULT_SERVER
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
-from tandem.serve.tool_calls.formats import HERMES, LLAMA3_JSON, format_for, template_knows_tools
+from tandem.serve.tool_calls.formats import HERMES, LLAMA3_JSON, MISTRAL, format_for, template_knows_tools
 from tandem.serve.tool_calls.parser import Delta, ToolCallParser, parse_reply
 from tandem.serve.tool_calls.plan import forced_calls_grammar, plan_tools
 from tandem.serve.tool_calls.prompt import template_inputs
@@ -45,6 +45,13 @@ REPLIES = [  # (format, reply, content, [(name, arguments)])
      [("f", '{"x": 1}'), ("g", "{}")]),
     (LLAMA3_JSON, "The answer is 4.", "The answer is 4.", []),
     (LLAMA3_JSON, '{"not": "a call"}', '{"not": "a call"}', []),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, {"y": "]"}]}}, {"name": "g", "arguments": {}}]',
+     None, [("f", '{"x": [1, {"y": "]"}]}'), ("g", "{}")]),
+    (MISTRAL, ' [TOOL_CALLS] [{"arguments": {"q": 1}, "name": "late"}]', None, [("late", '{"q": 1}')]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "cut", "arguments": {"a": "b', None, [("cut", '{"a": "b')]),  # max_tokens hit
+    (MISTRAL, "The answer is [4].", "The answer is [4].", []),
+    (MISTRAL, '[{"name": "f", "arguments": {}}]', '[{"name": "f", "arguments": {}}]', []),  # no marker: content
+    (MISTRAL, "[TOOL_CALLS] not an array", "[TOOL_CALLS] not an array", []),
 ]
 
 
@@ -77,8 +84,10 @@ def test_the_format_follows_the_template_and_the_flag() -> None:
     assert format_for("{% if tools %}...<tool_call>{% endif %}") is HERMES
     assert format_for("{{ '<|python_tag|>' }}{% for t in tools %}{% endfor %}") is LLAMA3_JSON
     assert format_for(None, "llama3_json") is LLAMA3_JSON
+    assert format_for("{%- if tools %}[AVAILABLE_TOOLS]...{%- endif %}{{ '[TOOL_CALLS]' }}") is MISTRAL
+    assert format_for(None, "mistral") is MISTRAL
     with pytest.raises(ValueError, match="unknown tool call parser"):
-        format_for(None, "mistral")
+        format_for(None, "pythonic")
 
 
 def test_the_prompt_shows_the_tools_and_the_history_in_the_format() -> None:
@@ -111,7 +120,7 @@ def test_tool_choice_is_checked() -> None:
         assert e.value.param == param  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=["hermes", "llama3_json", "mistral"])
 def test_forced_calls_name_a_tool_and_their_arguments_validate(llm_fp32, fmt) -> None:  # noqa: ANN001
     """tool_choice required: over many seeds, the reply is a call and nothing else, in the format's
     syntax, naming one of the tools with arguments that its schema accepts. (With parallel calls a
@@ -128,23 +137,29 @@ def test_forced_calls_name_a_tool_and_their_arguments_validate(llm_fp32, fmt) ->
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=["hermes", "llama3_json", "mistral"])
 def test_the_forced_grammar_takes_parallel_calls_only_when_asked(llm_fp32, fmt) -> None:  # noqa: ANN001
     from tandem.engine.structured import Grammars
     from tandem.serve.tool_calls.prompt import call_text
 
     tokenizer = llm_fp32.get_tokenizer()
     grammars = Grammars(tokenizer, 49152)
-    one = call_text(fmt, "get_time", {"city": "Oslo"})
-    two = one + fmt.separator + call_text(fmt, "get_weather", {"city": "Rome", "unit": "F"})
+
+    def reply(*calls: str) -> str:  # the calls as the format's reply writes them
+        text = fmt.separator.join(calls)
+        return f"{fmt.prefix}[{text}]" if fmt.array else text
+
+    one = reply(call_text(fmt, "get_time", {"city": "Oslo"}))
+    two = reply(call_text(fmt, "get_time", {"city": "Oslo"}),
+                call_text(fmt, "get_weather", {"city": "Rome", "unit": "F"}))
 
     def accepts(text: str, parallel: bool) -> bool:
         m = grammars.matcher(StructuredOutputs("grammar", forced_calls_grammar(fmt, TOOLS, parallel)))
         return all(m.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
 
     assert accepts(one, False) and accepts(one, True) and accepts(two, True) and not accepts(two, False)
-    assert not accepts(call_text(fmt, "get_time", {"city": 5}), True)  # the schema holds
-    assert not accepts(call_text(fmt, "get_date", {}), True)  # only the tools given
+    assert not accepts(reply(call_text(fmt, "get_time", {"city": 5})), True)  # the schema holds
+    assert not accepts(reply(call_text(fmt, "get_date", {})), True)  # only the tools given
 
 
 def test_a_named_function_is_the_only_call(llm_fp32) -> None:  # noqa: ANN001

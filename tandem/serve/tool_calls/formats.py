@@ -2,7 +2,9 @@
 
 A call is one JSON object with the function's name and its arguments. `hermes` (Hermes, Qwen,
 SmolLM and most ChatML models) wraps each in `<tool_call>` tags, anywhere in the reply; `llama3_json`
-(Llama 3.1+) makes the whole reply calls, optionally after `<|python_tag|>`, separated by `;`.
+(Llama 3.1+) makes the whole reply calls, optionally after `<|python_tag|>`, separated by `;`;
+`mistral` (Mistral's v3 tokenizer and the models trained on it) makes the reply `[TOOL_CALLS]` and a
+JSON array of the calls.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ class ToolFormat:
     close: str | None
     args_keys: tuple[str, ...]  # the arguments' key, the first one is the one written in prompts
     separator: str  # between calls, in prompts and in forced-call grammars
-    prefix: str | None = None  # an optional marker before the first call (open is None)
+    prefix: str | None = None  # a marker before the first call (open is None); optional unless prefix_required
+    prefix_required: bool = False  # without the marker the reply is content
+    array: bool = False  # the calls are one JSON array after the marker: [call, call]
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", ("arguments",), "\n")
 LLAMA3_JSON = ToolFormat("llama3_json", None, None, ("parameters", "arguments"), "; ", "<|python_tag|>")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+MISTRAL = ToolFormat("mistral", None, None, ("arguments",), ", ", "[TOOL_CALLS]", prefix_required=True, array=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
 def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat:
@@ -35,6 +40,8 @@ def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat
     template = chat_template or ""
     if "<tool_call>" in template:
         return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
     if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
         return LLAMA3_JSON
     return HERMES

@@ -89,6 +89,7 @@ class ToolCallParser:
         self._pending_ws = ""  # whitespace-only content, sent with the next real content
         self._call: _Call | None = None
         self._state = "start" if fmt.open is None else "content"
+        self._opened = False  # past the marker (and an array's bracket): the next call starts straight away
         self.num_calls = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -123,15 +124,26 @@ class ToolCallParser:
     def _step(self, out: Delta, final: bool) -> bool:
         """Consume what can be decided now; True if the state moved (run again)."""
         fmt = self.fmt
-        if self._state == "start":  # calls start the reply: look past whitespace and the prefix
+        if self._state == "start":  # calls start the reply: look past whitespace, the prefix, a bracket
             head = self._buf.lstrip()
-            if fmt.prefix and head.startswith(fmt.prefix):
-                head = head[len(fmt.prefix):].lstrip()
+            if not self._opened:
+                marked = bool(fmt.prefix) and head.startswith(fmt.prefix)
+                if marked:
+                    head = head[len(fmt.prefix):].lstrip()
+                elif fmt.prefix and fmt.prefix.startswith(head) and head and not final:
+                    return False  # maybe the prefix, still arriving
+                elif fmt.prefix_required and (head or final):
+                    self._state = "content"
+                    return bool(self._buf)
+                if fmt.array and (head or final):
+                    if not head.startswith("["):
+                        self._state = "content"
+                        return bool(self._buf)
+                    head = head[1:].lstrip()
             if not head and not final:
                 return False
-            if fmt.prefix and fmt.prefix.startswith(head) and head and not final:
-                return False  # maybe the prefix, still arriving
             if head.startswith("{"):
+                self._opened = True
                 self._start_call(self._buf[:len(self._buf) - len(head)])
                 self._buf = head
                 return True
@@ -267,7 +279,8 @@ class ToolCallParser:
         self.num_calls += 1
 
     def _after_call(self, final: bool) -> bool:
-        """Past a call's object: its close tag (hermes) or a separator and the next call (llama3)."""
+        """Past a call's object: its close tag (hermes), or a separator and the next call (llama3, mistral),
+        or the array's end (mistral)."""
         fmt = self.fmt
         head = self._buf.lstrip()
         if fmt.close is not None:
@@ -283,9 +296,13 @@ class ToolCallParser:
             return True
         if not head and not final:
             return False
-        if head.startswith(";"):
-            self._buf = head[1:]
+        if head.startswith(fmt.separator.strip()):
+            self._buf = head[len(fmt.separator.strip()):]
             self._state = "start"
+            return True
+        if fmt.array and head.startswith("]"):  # the array's end: what follows is content
+            self._buf = head[1:]
+            self._state = "content"
             return True
         self._state = "content"
         return bool(self._buf)

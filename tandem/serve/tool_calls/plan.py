@@ -62,4 +62,6 @@ def forced_calls_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel:
     call = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}" if fmt.open and fmt.close \
         else body
     start = f"call ({json.dumps(fmt.separator)} call)*" if parallel else "call"
+    if fmt.array:  # the marker, then the calls as one JSON array
+        start = f"{json.dumps(f'{fmt.prefix}[')} {start} {json.dumps(']')}"
     return f"start: {start}\ncall: {call}\n"

@@ -24,12 +24,23 @@ def call_text(fmt: ToolFormat, name: str, arguments: Any) -> str:
     return f"{fmt.open}\n{body}\n{fmt.close}" if fmt.open else body
 
 
+def calls_text(fmt: ToolFormat, calls: list[tuple[str, Any]]) -> str:
+    """A turn's calls as the format writes them in a prompt's history: one per line, or one marked array."""
+    bodies = [call_text(fmt, name, arguments) for name, arguments in calls]
+    if fmt.array:
+        return f"{fmt.prefix}[{fmt.separator.join(bodies)}]"
+    return "\n".join(bodies)
+
+
 def tools_prompt(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
     listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
     key = fmt.args_keys[0]
     if fmt.open:
         example = (f"a JSON object with its name and arguments between {fmt.open}{fmt.close} tags, one per "
                    f'call:\n{fmt.open}\n{{"name": <function name>, "{key}": <arguments object>}}\n{fmt.close}')
+    elif fmt.array:
+        example = (f'{fmt.prefix} and then every call in one JSON array: {fmt.prefix}[{{"name": <function name>, '
+                   f'"{key}": <arguments object>}}]')
     else:
         example = (f'only the call, as one JSON object: {{"name": <function name>, "{key}": <arguments object>}} '
                    f"(several calls separated by {fmt.separator.strip()!r})")
@@ -53,7 +64,7 @@ def template_inputs(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = "\n".join(call_text(fmt, c["name"], json.loads(c["arguments"])) for c in m["tool_calls"])
+            calls = calls_text(fmt, [(c["name"], json.loads(c["arguments"])) for c in m["tool_calls"]])
             text = f"{m['content']}\n{calls}" if m.get("content") else calls
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
