@@ -16,7 +16,14 @@ from conftest import DEFAULT_SERVER
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
-from tandem.serve.tool_calls.formats import HERMES, LLAMA3_JSON, MISTRAL, format_for, template_knows_tools
+from tandem.serve.tool_calls.formats import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    PHI4_MINI_JSON,
+    format_for,
+    template_knows_tools,
+)
 from tandem.serve.tool_calls.parser import Delta, ToolCallParser, parse_reply
 from tandem.serve.tool_calls.plan import forced_calls_grammar, plan_tools
 from tandem.serve.tool_calls.prompt import template_inputs
@@ -52,6 +59,9 @@ REPLIES = [  # (format, reply, content, [(name, arguments)])
     (MISTRAL, "The answer is [4].", "The answer is [4].", []),
     (MISTRAL, '[{"name": "f", "arguments": {}}]', '[{"name": "f", "arguments": {}}]', []),  # no marker: content
     (MISTRAL, "[TOOL_CALLS] not an array", "[TOOL_CALLS] not an array", []),
+    (PHI4_MINI_JSON, 'functools[{"name": "f", "arguments": {"s": "functools["}}, {"name": "g", "arguments": {}}]', None,
+     [("f", '{"s": "functools["}'), ("g", "{}")]),
+    (PHI4_MINI_JSON, "functools are handy.", "functools are handy.", []),
 ]
 
 
@@ -86,6 +96,7 @@ def test_the_format_follows_the_template_and_the_flag() -> None:
     assert format_for(None, "llama3_json") is LLAMA3_JSON
     assert format_for("{%- if tools %}[AVAILABLE_TOOLS]...{%- endif %}{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert format_for(None, "mistral") is MISTRAL
+    assert format_for("{% if tools %}... functools[{{ tools | tojson }}]{% endif %}") is PHI4_MINI_JSON
     with pytest.raises(ValueError, match="unknown tool call parser"):
         format_for(None, "pythonic")
 
@@ -137,7 +148,8 @@ def test_forced_calls_name_a_tool_and_their_arguments_validate(llm_fp32, fmt) ->
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON],
+                         ids=["hermes", "llama3_json", "mistral", "phi4_mini_json"])
 def test_the_forced_grammar_takes_parallel_calls_only_when_asked(llm_fp32, fmt) -> None:  # noqa: ANN001
     from tandem.engine.structured import Grammars
     from tandem.serve.tool_calls.prompt import call_text

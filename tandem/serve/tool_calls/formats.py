@@ -4,7 +4,7 @@ A call is one JSON object with the function's name and its arguments. `hermes` (
 SmolLM and most ChatML models) wraps each in `<tool_call>` tags, anywhere in the reply; `llama3_json`
 (Llama 3.1+) makes the whole reply calls, optionally after `<|python_tag|>`, separated by `;`;
 `mistral` (Mistral's v3 tokenizer and the models trained on it) makes the reply `[TOOL_CALLS]` and a
-JSON array of the calls.
+JSON array of the calls; `phi4_mini_json` (Phi-4-mini) the same array after `functools`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", ("arguments",), "\n")
 LLAMA3_JSON = ToolFormat("llama3_json", None, None, ("parameters", "arguments"), "; ", "<|python_tag|>")
 MISTRAL = ToolFormat("mistral", None, None, ("arguments",), ", ", "[TOOL_CALLS]", prefix_required=True, array=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+PHI4_MINI_JSON = ToolFormat("phi4_mini_json", None, None, ("arguments",), ", ", "functools", prefix_required=True,
+                            array=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON)}
 
 
 def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat:
@@ -42,6 +44,8 @@ def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat
         return HERMES
     if "[TOOL_CALLS]" in template:
         return MISTRAL
+    if "functools[" in template:
+        return PHI4_MINI_JSON
     if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
         return LLAMA3_JSON
     return HERMES
