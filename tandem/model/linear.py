@@ -23,7 +23,7 @@ from torch import nn
 
 from tandem.model.block_formats import BlockFormat
 from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
-from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, cat_rows, gemm_rows, quantized_linear, slice_weight
+from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, gemm_rows, quantized_linear, slice_weight
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,18 @@ class GGUFMethod(LinearMethod):
                                                    dtype=torch.uint8))
 
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
+        """Each part's blocks straight into their rows of the layer's buffer: the one copy of the file's
+        bytes this process holds (the parts may be views of the mapped file)."""
         if not all(isinstance(p, QuantizedWeight) and p.fmt == self.fmt for p in parts):
             raise ValueError(f"{self.name} expects {self.fmt.name} weights")
-        weight = cat_rows(list(parts))  # type: ignore[arg-type]
-        layer.check_shape(weight.shape)
-        layer.qdata.copy_(weight.data)
+        blocks: list[QuantizedWeight] = list(parts)  # type: ignore[arg-type]
+        if any(p.in_features != blocks[0].in_features for p in blocks):
+            raise ValueError("cannot fuse quantized weights of different widths")
+        layer.check_shape((sum(p.out_features for p in blocks), blocks[0].in_features))
+        row = 0
+        for p in blocks:
+            layer.qdata[row:row + p.out_features].copy_(p.data)
+            row += p.out_features
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)

@@ -7,8 +7,10 @@ Nothing here reaches a hub: a model is a local path, or the default model that t
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,14 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over array's memory, without a copy even where it is the file's read-only map
+    (nothing writes to checkpoint tensors: the model copies them into its own buffers)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.uint8))
+
+
 def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
     try:
         return read_gguf(path)  # the metadata and tensor table come from the cache after the first read
@@ -135,8 +145,8 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False, context: int | N
                 elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
                     array = unpermute_rope(array, arch.num_kv_heads)
             name = gguf_to_hf_name(t.name, family)
-            if fmt is not None:
-                blocks = QuantizedWeight.from_numpy(np.array(array), fmt, int(t.shape[0]))
+            if fmt is not None:  # a view of the mapped file (or a permuted copy): the model copies it once
+                blocks = QuantizedWeight(_readonly_tensor(array), fmt, int(t.shape[0]))
                 weights[name] = blocks if keep_quantized else blocks.dequantize().to(dense_dtype)
             else:
                 if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
@@ -217,6 +227,11 @@ def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.de
     return "gguf-q8" if dense_bytes is not None and dense_bytes > AUTO_DENSE_MAX_BYTES else "none"
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes of a GGUF file, or of a directory's safetensors."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
 def gguf_dense_bytes(path: Path, dtype: torch.dtype) -> int:
     """The bytes a GGUF file's matrices take dequantized to dtype (from its cached index)."""
     tensors, _ = _read_gguf(path)
@@ -294,7 +309,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     net.fingerprint = fingerprint
     net.eval()
     forms = held_forms(net)
-    startup.info("loaded %s in %.1f s: %d layers, %.1f MiB of weights as held (%s)", name, time.perf_counter() - t0,
-                 arch.num_layers, sum(forms.values()) / 2**20,
-                 ", ".join(f"{form} {n / 2**20:.1f} MiB" for form, n in sorted(forms.items(), key=lambda f: -f[1])))
+    startup.info("loaded %s in %.1f s: %d layers, %.1f MiB of weights as held (%s; the file %.1f MiB), peak RSS "
+                 "%.0f MiB", name, time.perf_counter() - t0, arch.num_layers, sum(forms.values()) / 2**20,
+                 ", ".join(f"{form} {n / 2**20:.1f} MiB" for form, n in sorted(forms.items(), key=lambda f: -f[1])),
+                 checkpoint_bytes(path) / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return LoadedModel(net, tokenizer, arch, path, name)

@@ -77,14 +77,6 @@ def slice_weight(w: QuantizedWeight, rows: tuple[int, int] | None = None,
     return QuantizedWeight(data[:, cols[0] // step * per:cols[1] // step * per].contiguous(), w.fmt, cols[1] - cols[0])
 
 
-def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack weights along out_features (a fused qkv or gate_up): rows of blocks concatenate."""
-    first = parts[0]
-    if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
-        raise ValueError("cannot fuse quantized weights of different formats or widths")
-    return QuantizedWeight(torch.cat([p.data for p in parts]), first.fmt, first.in_features)
-
-
 # -- PyTorch fallbacks (any device) -----------------------------------------------------------------
 
 def _torch_q8_roundtrip(x: torch.Tensor, block: int = X_BLOCK) -> torch.Tensor:
