@@ -3,7 +3,7 @@ from GGUF metadata; other families read theirs in their own module (model/regist
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.model.rope import rope_from_gguf, rope_from_hf
@@ -143,6 +143,14 @@ def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> Arch
         eos_token_ids=token_ids(cfg.get("eos_token_id")),
         layer_windows=(window,) * cfg["num_hidden_layers"] if window else (),
     )
+
+
+def llama_shape_from_hf(cfg: dict[str, Any], architecture: str, context: int | None = None,
+                        like: str = "LlamaForCausalLM") -> ArchConfig:
+    """A config.json read as the Llama family's `like` reads it, under another family's name (the GGUF
+    architecture its registry entry serves); families built on the Llama family's (phi3.py,
+    granite.py, ...) replace what their own keys add."""
+    return replace(arch_from_hf_config({**cfg, "architectures": [like]}, context), architecture=architecture)
 
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}

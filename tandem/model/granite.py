@@ -15,10 +15,10 @@ GGUF_ARCHITECTURE = "granite"
 
 
 def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, context)
+    base = llama_arch.llama_shape_from_hf(cfg, GGUF_ARCHITECTURE, context)
     if cfg.get("mlp_bias"):
         raise NotImplementedError("Granite with mlp_bias is not supported yet")
-    return replace(base, architecture=GGUF_ARCHITECTURE, embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
+    return replace(base, embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
                    attn_scale=float(cfg.get("attention_multiplier", 1.0)),
                    residual_scale=float(cfg.get("residual_multiplier", 1.0)),
                    logits_scaling=float(cfg.get("logits_scaling", 1.0)))

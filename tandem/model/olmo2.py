@@ -5,7 +5,6 @@ stack (ops/layer_stack.cpp, set_post_norms) runs the same ops in the same order.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -68,8 +67,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
 
 def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, context)
-    return replace(base, architecture=GGUF_ARCHITECTURE)
+    return llama_arch.llama_shape_from_hf(cfg, GGUF_ARCHITECTURE, context)
 
 
 def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_qkv_bias: bool) -> ArchConfig:

@@ -28,8 +28,8 @@ def _windows(arch: ArchConfig, window: int | None) -> tuple[int, ...]:
 
 
 def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, context)
-    return replace(base, architecture=GGUF_ARCHITECTURE, layer_windows=_windows(base, cfg.get("sliding_window")))
+    base = llama_arch.llama_shape_from_hf(cfg, GGUF_ARCHITECTURE, context)
+    return replace(base, layer_windows=_windows(base, cfg.get("sliding_window")))
 
 
 def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_qkv_bias: bool) -> ArchConfig:

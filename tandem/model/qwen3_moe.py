@@ -28,13 +28,13 @@ GGUF_ARCHITECTURE = "qwen3moe"
 
 
 def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["Qwen3ForCausalLM"]}, context)
+    base = llama_arch.llama_shape_from_hf(cfg, GGUF_ARCHITECTURE, context, like="Qwen3ForCausalLM")
     layers = cfg["num_hidden_layers"]
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step", 1))
     dense_only = set(cfg.get("mlp_only_layers") or [])
     sparse = tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0)
-    return replace(base, architecture=GGUF_ARCHITECTURE, num_experts=experts,
+    return replace(base, num_experts=experts,
                    num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                    moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)

@@ -19,13 +19,13 @@ def _every_fourth_without(layers: int, interval: int) -> tuple[bool, ...]:
 
 
 def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> ArchConfig:
-    base = llama_arch.arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, context)
+    base = llama_arch.llama_shape_from_hf(cfg, GGUF_ARCHITECTURE, context)
     flags = cfg.get("no_rope_layers")  # 1: the layer rotates
     rope_layers = (tuple(bool(f) for f in flags[:base.num_layers]) if flags is not None else
                    _every_fourth_without(base.num_layers, int(cfg.get("no_rope_layer_interval") or NO_ROPE_INTERVAL)))
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise NotImplementedError("SmolLM3 with use_sliding_window is not supported yet")
-    return replace(base, architecture=GGUF_ARCHITECTURE, rope_layers=rope_layers)
+    return replace(base, rope_layers=rope_layers)
 
 
 def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_qkv_bias: bool) -> ArchConfig:
