@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -211,6 +212,14 @@ def test_api_key_and_admission_control() -> None:
         good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0)
         model = good.models.list().data[0].id
         assert good.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        # Anthropic's clients send the key as x-api-key, and read a refusal in Anthropic's shape.
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0).messages.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert e.value.body["error"]["type"] == "authentication_error"
+        reply = anthropic.Anthropic(base_url=s.url, api_key="sekrit", max_retries=0).messages.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert reply.usage.output_tokens == 2
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(headers={"authorization": "Bearer sekrit"}, timeout=60) as c:

@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 from conftest import DEFAULT_SERVER
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
@@ -66,9 +68,23 @@ REPLIES = [  # (format, reply, content, [(name, arguments)])
 
 
 def streamed(fmt, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:  # noqa: ANN001
+    return cut_at(fmt, text, list(range(step, len(text), step)))
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), REPLIES)
+def test_a_reply_and_its_stream_parse_the_same_however_it_is_split(fmt, reply, content, calls) -> None:  # noqa: ANN001
+    parsed = parse_reply(fmt, reply)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    for step in range(1, len(reply) + 1):
+        assert streamed(fmt, reply, step) == (content or "", calls), step
+
+
+def cut_at(fmt, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:  # noqa: ANN001
     parser, out = ToolCallParser(fmt), Delta()
-    for i in range(0, len(text), step):
-        out.extend(parser.feed(text[i:i + step]))
+    bounds = sorted(set(cuts))
+    for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True):
+        out.extend(parser.feed(text[a:b]))
     out.extend(parser.finish())
     calls: dict[int, list[str]] = {}
     for d in out.calls:
@@ -80,13 +96,15 @@ def streamed(fmt, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:  #
     return out.content, [(n, a) for n, a in (calls[i] for i in sorted(calls))]
 
 
-@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), REPLIES)
-def test_a_reply_and_its_stream_parse_the_same_however_it_is_split(fmt, reply, content, calls) -> None:  # noqa: ANN001
-    parsed = parse_reply(fmt, reply)
-    assert parsed.content == content
-    assert [(c.name, c.arguments) for c in parsed.calls] == calls
-    for step in range(1, len(reply) + 1):
-        assert streamed(fmt, reply, step) == (content or "", calls), step
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), [
+    *REPLIES, (HERMES, 'Voilà ✓ 东京\n<tool_call>\n{"name": "f", "arguments": {"city": "東京 ✓"}}\n</tool_call>',
+               "Voilà ✓ 东京", [("f", '{"city": "東京 ✓"}')])])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_every_format_parses_the_same_at_random_split_points(fmt, reply, content, calls, data) -> None:  # noqa: ANN001
+    # Any number of cuts anywhere, several in a row included (a detokenizer's deltas are uneven).
+    cuts = data.draw(st.lists(st.integers(1, max(len(reply) - 1, 1)), max_size=12))
+    assert cut_at(fmt, reply, cuts) == (content or "", calls)
 
 
 def test_the_format_follows_the_template_and_the_flag() -> None:

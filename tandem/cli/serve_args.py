@@ -7,6 +7,7 @@ import argparse
 from tandem.cli.common import add_log_args
 from tandem.engine.args import add_engine_args
 from tandem.policy.admission import ADMISSION_MODES, AdmissionSettings
+from tandem.serve.reasoning import REASONING_FORMATS
 from tandem.serve.tool_calls.formats import FORMATS
 from tandem.slo import DEFAULT_SLO
 
@@ -65,6 +66,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
                      help="how the model writes tool calls; auto: from its chat template (Hermes's <tool_call> "
                      "tags when the template knows no tools, which Tandem then describes in the system prompt)")
+    srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_FORMATS),
+                     help="set a reply's reasoning apart from its answer (reasoning_content in chat, thinking "
+                     "blocks in Messages): qwen3 (a <think> block at the reply's start) or deepseek_r1 (the "
+                     "reply starts in its reasoning, up to </think>); off by default")
     srv.add_argument("--structured-outputs-whitespace", default="compact", choices=["compact", "flexible"],
                      help="whitespace in JSON constraints (json_schema, json_object, guided_json) when a request "
                      "does not set structured_outputs.disable_any_whitespace: compact, as json.dumps writes it, "

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP server (FastAPI), in front of the engine core process.
+"""The HTTP server (FastAPI): OpenAI's API and Anthropic's Messages, in front of the engine core process.
 
 build_app wires the app: the lifespan (engine start and shutdown), the middleware, the error
 handlers and the route groups, each an APIRouter built over the typed state it may reach
-(admin_routes.py: admin and tokenizer; openai_routes.py: the OpenAI API)."""
+(admin_routes.py: admin and tokenizer; openai_routes.py: the OpenAI API; messages_api/: Anthropic's)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ from fastapi import FastAPI
 import tandem
 from tandem.config import EngineConfig
 from tandem.serve.admin_routes import AdminState, TokenizerState, admin_router, tokenizer_router
+from tandem.serve.api_state import APIState
 from tandem.serve.app_state import Live, Started, TextSide
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers, key_salts
 from tandem.serve.dashboard import mount_dashboard
 from tandem.serve.errors import install_error_handlers
+from tandem.serve.messages_api.routes import messages_router
 from tandem.serve.metrics import ServerMetrics
 from tandem.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from tandem.serve.openai_routes import OpenAIState, openai_router
+from tandem.serve.openai_routes import openai_router
 from tandem.serve.prepare import GrammarCheck
 from tandem.serve.protocol import ERROR_RESPONSES
 from tandem.serve.settings import ServerSettings
@@ -72,10 +74,11 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
 
     app.include_router(admin_router(AdminState(engine, started, settings.slo)))
     mount_dashboard(app)
-    app.include_router(openai_router(OpenAIState(
-        engine, started, text, Callers.build(settings, salts),
-        Admission(engine, settings.admission, settings.slo or DEFAULT_SLO, started),
-        GrammarCheck(tokenizer, engine, settings.structured_outputs_whitespace == "flexible"), fields)))
+    api = APIState(engine, started, text, Callers.build(settings, salts),
+                   Admission(engine, settings.admission, settings.slo or DEFAULT_SLO, started),
+                   GrammarCheck(tokenizer, engine, settings.structured_outputs_whitespace == "flexible"), fields)
+    app.include_router(openai_router(api))
+    app.include_router(messages_router(api))
     app.include_router(tokenizer_router(TokenizerState(engine, started, text, fields)))
     return app
 

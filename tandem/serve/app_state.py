@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.serve.metrics import ServerMetrics
+from tandem.serve.reasoning import REASONING_FORMATS, ReasoningFormat
 from tandem.serve.settings import ServerSettings
 from tandem.serve.template_sandbox import TemplateSandbox
 from tandem.serve.text_worker import TextWorker
@@ -49,6 +50,7 @@ class TextSide:
     worker: TextWorker | None  # encodes, decodes and renders chat templates off the event loop
     template: str | None  # the model's chat template
     tool_format: ToolFormat  # how the model's replies write tool calls
+    reasoning: ReasoningFormat | None = None  # how they set their reasoning apart (--reasoning-parser)
 
     @classmethod
     def build(cls, tokenizer: Any | None, settings: ServerSettings) -> TextSide:
@@ -58,4 +60,5 @@ class TextSide:
                                       settings.max_prompt_chars) if settings.trust_request_chat_template else None
             worker = TextWorker(tokenizer, settings.max_prompt_chars, sandbox)
         template = getattr(tokenizer, "chat_template", None)
-        return cls(tokenizer, worker, template, format_for(template, settings.tool_call_parser))
+        reasoning = REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else None
+        return cls(tokenizer, worker, template, format_for(template, settings.tool_call_parser), reasoning)

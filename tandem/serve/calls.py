@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
@@ -14,7 +15,6 @@ from tandem.sampling_params import SamplingParams
 from tandem.serve.app_state import Started
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.errors import APIError
-from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.serve.settings import ServerSettings
 from tandem.slo import Slo
 
@@ -36,6 +36,15 @@ class Call:
     max_tokens: int | None = None  # as the request named it (None: up to the context's end)
 
 
+class CallFields(Protocol):
+    """What a request body says about its call (every API's body declares these)."""
+
+    priority: int
+    timeout: float | None
+    cache_salt: str | None
+    max_tokens: int | None
+
+
 @dataclass(frozen=True)
 class Callers:
     """How a request becomes a Call: its tenant (API key or tenant header), weight and deadline."""
@@ -50,7 +59,7 @@ class Callers:
         weights = {salts.get(name, name): w for name, w in settings.tenant_weights.items()}
         return cls(settings.tenant_header, settings.request_timeout, weights)
 
-    def call_for(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Call:
+    def call_for(self, request: Request, body: CallFields) -> Call:
         tenant = getattr(request.state, "salt", None)
         if self.tenant_header:
             tenant = request.headers.get(self.tenant_header, tenant)

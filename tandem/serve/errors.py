@@ -1,5 +1,6 @@
-"""OpenAI-shaped errors: the exception endpoints raise, the handlers that turn every failure into
-`{"error": {"message", "type", "param", "code"}}`, and one log line per error with the request's id."""
+"""Errors: the exception endpoints raise, the handlers that turn every failure into OpenAI's body,
+`{"error": {"message", "type", "param", "code"}}` (Anthropic's under /v1/messages), and one log line
+per error with the request's id."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
+ANTHROPIC_PREFIX = "/v1/messages"  # every error under it is in Anthropic's shape
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`: a response's body, or a stream's error event."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
@@ -38,11 +54,15 @@ def request_id(scope: Mapping[str, Any]) -> str:
     return scope.get("state", {}).get("request_id", "-")
 
 
-def error_response(rid: str, status: int, message: str, type_: str | None = None, param: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """The error's response, and its one log line (a client's error is INFO: it is not the server's)."""
+def error_response(scope: Mapping[str, Any], status: int, message: str, type_: str | None = None,
+                   param: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The error's response, in the shape of the API the path belongs to, and its one log line (a
+    client's error is INFO: it is not the server's)."""
     type_ = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    rid = request_id(scope)
     log.log(logging.INFO if status < 500 else logging.ERROR, "request %s: %d %s: %s", rid, status, type_, message)
+    if str(scope.get("path", "")).startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error_body(message, status), status, headers=headers)
     return JSONResponse(error_body(message, type_, status, param), status, headers=headers)
 
 
@@ -85,23 +105,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return error_response(request_id(request.scope), e.status, e.message, e.type, e.param, e.headers)
+        return error_response(request.scope, e.status, e.message, e.type, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = validation_message(request, e)
-        return error_response(request_id(request.scope), 400, message, "BadRequestError", param)
+        return error_response(request.scope, 400, message, "BadRequestError", param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error_response(request_id(request.scope), e.status_code, http_message(request, e),
+        return error_response(request.scope, e.status_code, http_message(request, e),
                               headers=e.headers)
 
     # Engine failures map to 500/503 with a message; the server keeps serving.
     @app.exception_handler(EngineRequestError)
     async def _engine_error(request: Request, e: EngineRequestError) -> JSONResponse:
-        return error_response(request_id(request.scope), 500, str(e))
+        return error_response(request.scope, 500, str(e))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return error_response(request_id(request.scope), 503, str(e))
+        return error_response(request.scope, 503, str(e))

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from tandem.serve.errors import error_response, request_id
+from tandem.serve.errors import error_response
 
 log = logging.getLogger("tandem.serve.api")
 
@@ -46,7 +46,7 @@ class RequestIdMiddleware:
             if started:  # mid-stream: the client sees the connection close
                 log.error("request %s: 500 after the response started: %s", rid, message)
                 return
-            await error_response(rid, 500, message)(scope, receive, send_with_id)
+            await error_response(scope, 500, message)(scope, receive, send_with_id)
 
 
 class BodyTooLarge(HTTPException):
@@ -71,7 +71,7 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             e = BodyTooLarge(self.max_bytes)
-            await error_response(request_id(scope), 413, e.detail)(scope, receive, send)
+            await error_response(scope, 413, e.detail)(scope, receive, send)
             return
         received = 0
 
@@ -91,9 +91,9 @@ PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # everything that does
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on the endpoints that do work (and /metrics, if asked). Pure ASGI (not
-    BaseHTTPMiddleware), so that handlers still see client disconnects. Each key is a tenant: its salt
-    keeps its prefix-cache blocks its own and names it to the fair scheduler."""
+    """API-key check (a bearer token or x-api-key) on the endpoints that do work (and /metrics, if
+    asked). Pure ASGI (not BaseHTTPMiddleware), so that handlers still see client disconnects. Each
+    key is a tenant: its salt keeps its prefix-cache blocks its own and names it to the fair scheduler."""
 
     def __init__(self, app: Any, key_salts: dict[str, str], protect_metrics: bool = False) -> None:
         self.app = app
@@ -102,10 +102,13 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
-            key = header[7:] if header.lower().startswith("bearer ") else None
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"").decode(errors="replace")
+            # A bearer token (OpenAI's clients) or x-api-key (Anthropic's).
+            key = header[7:] if header.lower().startswith("bearer ") else \
+                headers.get(b"x-api-key", b"").decode(errors="replace") or None
             if key not in self.key_salts:
-                response = error_response(request_id(scope), 401, "invalid or missing API key", "AuthenticationError")
+                response = error_response(scope, 401, "invalid or missing API key", "AuthenticationError")
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})["salt"] = self.key_salts[key]

@@ -6,21 +6,27 @@ import time
 from typing import Any
 
 from tandem.outputs import CompletionOutput, Logprob
+from tandem.serve.reasoning import ReasoningFormat, ReasoningParser, split_reply
 from tandem.serve.tool_calls.formats import ToolFormat
 from tandem.serve.tool_calls.parser import Delta, ToolCallDelta, ToolCallParser, parse_reply
 
 
 class Formatter:
-    """`tools`: the format a chat reply's tool calls are parsed in (None: the reply is all content)."""
+    """`tools`: the format a chat reply's tool calls are parsed in (None: the reply is all content);
+    `reasoning`: how it sets its reasoning apart (reasoning_content), the rest then read for calls;
+    `reasoning_opened`: the prompt ended inside the reasoning."""
 
     def __init__(self, tokenizer: Any | None, model: str, request_id: str, chat: bool,
-                 tools: ToolFormat | None = None) -> None:
+                 tools: ToolFormat | None = None, reasoning: ReasoningFormat | None = None,
+                 reasoning_opened: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.id = request_id
         self.chat = chat
         self.tools = tools
+        self.reasoning, self.reasoning_opened = reasoning, reasoning_opened
         self._parsers: dict[int, ToolCallParser] = {}  # by choice index, while streaming
+        self._thinking: dict[int, ReasoningParser] = {}
         self.created = int(time.time())
 
     def _token_str(self, token_id: int) -> str:
@@ -62,6 +68,10 @@ class Formatter:
             lp = self.logprobs(echoed[0] + out.token_ids, echoed[1] + out.logprobs, num_top)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                split = split_reply(self.reasoning, text, self.reasoning_opened)
+                message["reasoning_content"] = split.reasoning or None
+                message["content"] = text = split.content
             finish = out.finish_reason
             if self.tools is not None:
                 parsed = parse_reply(self.tools, text)
@@ -94,6 +104,14 @@ class Formatter:
         lp = self.logprobs(token_ids, entries, num_top)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if self.reasoning is not None:
+                thinking = self._thinking.setdefault(index, ReasoningParser(self.reasoning, self.reasoning_opened))
+                split = thinking.feed(text)
+                if finish_reason is not None:
+                    split.extend(thinking.finish())
+                if split.reasoning:
+                    delta["reasoning_content"] = split.reasoning
+                text = split.content
             if self.tools is None:
                 if text or role:
                     delta["content"] = text
@@ -105,8 +123,9 @@ class Formatter:
                     if parser.num_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
                 delta |= _delta_json(parsed, role)
-                if not delta and lp is None and finish_reason is None:
-                    return None
+            held = self.tools is not None or self.reasoning is not None  # text a parser holds back
+            if held and not delta and lp is None and finish_reason is None:
+                return None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
@@ -127,6 +146,8 @@ def _delta_json(parsed: Delta, role: bool) -> dict[str, Any]:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """cached_tokens: the prompt's tokens the prefix cache (or the KV store) held, as OpenAI reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -1,48 +1,33 @@
 """The OpenAI routes (/v1/models, /v1/completions, /v1/chat/completions): one APIRouter over the
-state they may reach. Each request is prepared (prepare.py), admitted (calls.py), then collected
-or streamed (responses.py)."""
+API's state. Each request is prepared (prepare.py), admitted (calls.py), then collected or streamed
+(responses.py)."""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.serve.app_state import Started, TextSide
-from tandem.serve.async_engine import EngineClient
-from tandem.serve.calls import Admission, Callers
-from tandem.serve.errors import bad_request, request_id
+from tandem.serve.api_state import APIState
+from tandem.serve.errors import request_id
 from tandem.serve.openai_format import Formatter, usage
 from tandem.serve.prepare import (
-    GrammarCheck,
-    chat_ids,
+    ChatInput,
+    chat_prompt,
     check_model,
     make_params,
     need_text,
+    reasoning_opened,
     tokenize,
-    tool_plan,
     validate,
 )
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.serve.responses import collect, open_streams, sse
-from tandem.serve.unknown_fields import UnknownFields
 
 
-@dataclass(frozen=True)
-class OpenAIState:
-    engine: EngineClient
-    started: Started  # the served name and the metrics
-    text: TextSide
-    callers: Callers  # a request's tenant, weight and deadline
-    admission: Admission
-    grammars: GrammarCheck  # structured outputs, checked before they are queued
-    fields: UnknownFields  # a body's fields that no model declares: said so, or refused
-
-
-def openai_router(s: OpenAIState) -> APIRouter:
+def openai_router(s: APIState) -> APIRouter:
     router = APIRouter()
     engine, text = s.engine, s.text
     admit = s.admission.admit
@@ -90,30 +75,23 @@ def openai_router(s: OpenAIState) -> APIRouter:
                 echoed = (final.prompt_token_ids, final.prompt_logprobs) if echo and final.prompt_logprobs else None
                 choices.append(fmt.choice(i * params.n + out.index, out, shown, num_top, echoed))
         n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
-        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out)), headers=headers)
+        cached = sum(f.num_cached_tokens for f in finals)
+        return JSONResponse(fmt.response(choices, usage(n_prompt, n_out, cached)), headers=headers)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         headers = s.fields.check(body, request_id(request.scope))
         live = s.started.live
         check_model(body.model, live)
-        if text.worker is None:
-            raise bad_request("this model has no tokenizer, so it has no chat template")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = make_params(body, max_tokens, body.logprobs_count())
-        tools = tool_plan(text, body, params)
-        await s.grammars.check(params, "tools" if tools is not None and tools.grammar else "response_format")
+        params = make_params(body, body.max_completion_tokens or body.max_tokens, body.logprobs_count())
+        chat = ChatInput([m.as_template_dict() for m in body.messages], body.function_defs(),
+                         body.tool_choice_value(), body.parallel_tool_calls, body.add_generation_prompt,
+                         body.chat_template, body.chat_template_kwargs)
         call = s.callers.call_for(request, body)
-        admit(call, 1, params)
-        ids = await chat_ids(text, text.worker, [m.as_template_dict() for m in body.messages],
-                             tools.prompt_tools if tools else None, body.add_generation_prompt, body.chat_template)
-        if params.max_tokens is None:
-            assert engine.info is not None
-            params.max_tokens = max(engine.info.max_model_len - len(ids), 1)
-        validate(engine, ids, params, "messages")
-        admit(call, 1, params, [ids])
+        ids, tools = await chat_prompt(s, chat, params, call)
         fmt = Formatter(text.tokenizer, live.model, f"chatcmpl-{uuid.uuid4().hex}", chat=True,
-                        tools=text.tool_format if tools is not None and tools.parse else None)
+                        tools=text.tool_format if tools is not None and tools.parse else None,
+                        reasoning=text.reasoning, reasoning_opened=reasoning_opened(text, ids))
         streams = open_streams(engine, live.metrics, [ids], params, [None], call)
         num_top = body.top_logprobs or 0
         if body.stream:
@@ -123,6 +101,6 @@ def openai_router(s: OpenAIState) -> APIRouter:
         final = (await collect(request, streams, call.timeout))[0]
         choices = [fmt.choice(o.index, o, o.text, num_top) for o in final.outputs]
         n_out = sum(len(o.token_ids) for o in final.outputs)
-        return JSONResponse(fmt.response(choices, usage(len(ids), n_out)), headers=headers)
+        return JSONResponse(fmt.response(choices, usage(len(ids), n_out, final.num_cached_tokens)), headers=headers)
 
     return router

@@ -4,13 +4,14 @@ its SamplingParams, the structured-output constraint and the tool plan, each che
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from tandem.engine.structured import Grammars
 from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from tandem.serve.app_state import Live, TextSide
 from tandem.serve.async_engine import EngineClient
+from tandem.serve.calls import Admission, Call
 from tandem.serve.errors import APIError, bad_request
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.serve.text_worker import TextWorker
@@ -39,10 +40,18 @@ async def tokenize(text: TextSide, prompt: str | list[int]) -> list[int]:
 
 
 async def chat_ids(text: TextSide, worker: TextWorker, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None, add_generation_prompt: bool, template: str | None) -> list[int]:
+                   tools: list[dict[str, Any]] | None, add_generation_prompt: bool, template: str | None,
+                   kwargs: dict[str, Any] | None = None) -> list[int]:
     native = template_knows_tools(template or text.template)
     msgs, native_tools = template_inputs(messages, tools, text.tool_format, native)
-    return await worker.chat_ids(msgs, add_generation_prompt, template, native_tools)
+    return await worker.chat_ids(msgs, add_generation_prompt, template, native_tools, kwargs)
+
+
+def reasoning_opened(text: TextSide, ids: list[int]) -> bool:
+    """Whether the rendered prompt ends inside the reply's reasoning (its template wrote the start tag)."""
+    if text.reasoning is None or text.tokenizer is None:
+        return False
+    return text.tokenizer.decode(ids[-8:]).rstrip().endswith(text.reasoning.start)
 
 
 def validate(engine: EngineClient, ids: list[int], params: SamplingParams, param: str) -> None:
@@ -85,10 +94,55 @@ class GrammarCheck:
             raise bad_request(f"invalid {params.structured.kind} constraint: {error.strip()}", param)
 
 
-def tool_plan(text: TextSide, body: ChatCompletionRequest, params: SamplingParams) -> ToolPlan | None:
+@dataclass(frozen=True)
+class ChatInput:
+    """A chat request as every chat API (OpenAI's chat, Anthropic's Messages) gives it to the template:
+    its messages as template dicts (role, content, tool_calls, tool_call_id), the function definitions
+    (name, description, parameters), and tool_choice as none, auto, required or {"name": ...}."""
+
+    messages: list[dict[str, Any]]
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: variables such as enable_thinking
+    tools_param: str = "tools"  # the field a bad tool definition or choice is blamed on
+
+
+class ChatAPI(Protocol):
+    """What preparing a chat request reaches: the engine, the text side, the grammar check and admission."""
+
+    engine: EngineClient
+    text: TextSide
+    grammars: GrammarCheck
+    admission: Admission
+
+
+async def chat_prompt(s: ChatAPI, chat: ChatInput, params: SamplingParams,
+                      call: Call) -> tuple[list[int], ToolPlan | None]:
+    """A chat request's prompt ids and tool plan, each step checked before the next costs more: the tools
+    and the grammar they force, admission before rendering, the rendered prompt against the context,
+    then admission again with the prompt's uncached tokens. Unset max_tokens runs to the context's end."""
+    if s.text.worker is None:
+        raise bad_request("this model has no tokenizer, so it has no chat template")
+    tools = tool_plan(s.text, chat, params)
+    await s.grammars.check(params, chat.tools_param if tools is not None and tools.grammar else "response_format")
+    s.admission.admit(call, 1, params)
+    ids = await chat_ids(s.text, s.text.worker, chat.messages, tools.prompt_tools if tools else None,
+                         chat.add_generation_prompt, chat.chat_template, chat.template_kwargs)
+    if params.max_tokens is None:
+        assert s.engine.info is not None
+        params.max_tokens = max(s.engine.info.max_model_len - len(ids), 1)
+    validate(s.engine, ids, params, "messages")
+    s.admission.admit(call, 1, params, [ids])
+    return ids, tools
+
+
+def tool_plan(text: TextSide, chat: ChatInput, params: SamplingParams) -> ToolPlan | None:
     """The request's tools; a forced call (required, a named function) becomes its grammar."""
     try:
-        plan = plan_tools(text.tool_format, body.function_defs(), body.tool_choice_value(), body.parallel_tool_calls)
+        plan = plan_tools(text.tool_format, chat.functions, chat.tool_choice, chat.parallel_tool_calls)
     except ParamError as e:
         raise bad_request(str(e), e.param) from e
     if plan is not None and plan.grammar is not None:

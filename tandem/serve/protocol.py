@@ -111,6 +111,27 @@ class StructuredOutputsField(RequestBody):
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False  # as strict: objects take only the properties they name
 
+    def constraints(self) -> list[StructuredOutputs]:
+        return [_constraint(kind, value) for kind, value in (
+            ("json", self.json_), ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar),
+            ("json_object", self.json_object or None)) if value is not None]
+
+    def options(self, constraint: StructuredOutputs) -> StructuredOutputs:
+        """A JSON constraint (from here or another field) with this field's whitespace and strictness."""
+        if constraint.kind not in ("json", "json_object"):
+            return constraint
+        whitespace = constraint.whitespace_flexible if self.disable_any_whitespace is None \
+            else not self.disable_any_whitespace
+        return replace(constraint, strict=constraint.strict or self.disable_additional_properties,
+                       whitespace_flexible=whitespace)
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The one constraint this field names (ParamError when it names several)."""
+        found = self.constraints()
+        if len(found) > 1:
+            raise ParamError(f"give one output constraint, not {len(found)}", "structured_outputs")
+        return self.options(found[0]) if found else None
+
 
 class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
@@ -205,10 +226,7 @@ class _SamplingFields(RequestBody):
                                                                strict=bool(rf.json_schema.strict))))
         so = self.structured_outputs
         if so is not None:
-            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                ("grammar", so.grammar), ("json_object", so.json_object or None)):
-                if value is not None:
-                    found.append(("structured_outputs", _constraint(kind, value)))
+            found += [("structured_outputs", c) for c in so.constraints()]
         for kind, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
                             ("grammar", self.guided_grammar)):
             if value is not None:
@@ -219,12 +237,7 @@ class _SamplingFields(RequestBody):
         if not found:
             return None
         constraint = found[0][1]
-        if so is None or constraint.kind not in ("json", "json_object"):
-            return constraint
-        whitespace = constraint.whitespace_flexible if so.disable_any_whitespace is None \
-            else not so.disable_any_whitespace
-        return replace(constraint, strict=constraint.strict or so.disable_additional_properties,
-                       whitespace_flexible=whitespace)
+        return constraint if so is None else so.options(constraint)
 
 
 class CompletionRequest(_SamplingFields):
@@ -336,6 +349,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template: Text | None = None  # refused unless the server runs with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, e.g. {"enable_thinking": false}
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

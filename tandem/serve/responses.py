@@ -75,40 +75,54 @@ async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]],
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def sse(streams: list[AsyncIterator[RequestOutput]], fmt: Formatter, params: SamplingParams,
-              n_prompt_tokens: int, include_usage: bool, echo_texts: list[str] | None,
-              num_top: int, timeout: float | None) -> AsyncIterator[str]:
-    """The streams, interleaved, as OpenAI's chunks (`data: {...}`), then the usage if asked for and
-    `data: [DONE]`; a timeout or an engine error ends the stream with an error event."""
+async def interleave(streams: list[AsyncIterator[RequestOutput]],
+                     timeout: float | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The streams' outputs as they come, each with its stream's index. TimeoutError once `timeout`
+    seconds have passed; an engine error is raised as it came. Every stream is closed at the end."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in s:
                 await queue.put((i, out))
-        except Exception as e:  # surfaces as an error event on the stream
+        except Exception as e:  # raised to the reader, in order
             await queue.put((i, e))
         finally:
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     deadline = None if timeout is None else time.monotonic() + timeout
-    open_count, completion_tokens = len(tasks), 0
-    started: set[int] = set()
+    open_count = len(tasks)
     try:
         while open_count:
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
-            try:
-                i, item = await asyncio.wait_for(queue.get(), timeout)
-            except TimeoutError:
-                yield f"data: {json.dumps(error_body('request timed out', 'TimeoutError', 408))}\n\n"
-                return
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            i, item = await asyncio.wait_for(queue.get(), left)
             if item is None:
                 open_count -= 1
-                continue
-            if isinstance(item, Exception):
-                yield f"data: {json.dumps(error_body(str(item), 'InternalServerError', 500))}\n\n"
-                return
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            with contextlib.suppress(BaseException):
+                await s.aclose()
+
+
+async def sse(streams: list[AsyncIterator[RequestOutput]], fmt: Formatter, params: SamplingParams,
+              n_prompt_tokens: int, include_usage: bool, echo_texts: list[str] | None,
+              num_top: int, timeout: float | None) -> AsyncIterator[str]:
+    """The streams, interleaved, as OpenAI's chunks (`data: {...}`), then the usage if asked for and
+    `data: [DONE]`; a timeout or an engine error ends the stream with an error event."""
+    completion_tokens = 0
+    started: set[int] = set()
+    cached: dict[int, int] = {}
+    outputs = interleave(streams, timeout)
+    try:
+        async for i, item in outputs:
+            cached[i] = item.num_cached_tokens
             choices = []
             for out, (text, tokens) in zip(item.outputs, item.deltas, strict=True):
                 index = i * params.n + out.index
@@ -132,12 +146,15 @@ async def sse(streams: list[AsyncIterator[RequestOutput]], fmt: Formatter, param
                     choices.append(choice)
             if choices:
                 yield f"data: {json.dumps(fmt.chunk(choices))}\n\n"
-        if include_usage:
-            yield f"data: {json.dumps(fmt.chunk([], usage(n_prompt_tokens, completion_tokens)))}\n\n"
-        yield "data: [DONE]\n\n"
+    except TimeoutError:
+        yield f"data: {json.dumps(error_body('request timed out', 'TimeoutError', 408))}\n\n"
+        return
+    except Exception as e:  # an engine error ends the stream with an error event
+        yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
+        return
     finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            with contextlib.suppress(BaseException):
-                await s.aclose()
+        await outputs.aclose()
+    if include_usage:
+        usage_body = usage(n_prompt_tokens, completion_tokens, sum(cached.values()))
+        yield f"data: {json.dumps(fmt.chunk([], usage_body))}\n\n"
+    yield "data: [DONE]\n\n"

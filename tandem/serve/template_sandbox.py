@@ -49,9 +49,10 @@ class TemplateSandbox:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._spawn)
 
     async def render(self, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None) -> str:
+                     tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+        """kwargs: the request's chat_template_kwargs (the special tokens' variables win over them)."""
         job = {"messages": messages, "template": template, "add_generation_prompt": add_generation_prompt,
-               "tools": tools, "variables": self.variables}
+               "tools": tools, "variables": {**(kwargs or {}), **self.variables}}
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._render, job)
 
     def close(self) -> None:

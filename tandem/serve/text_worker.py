@@ -4,6 +4,7 @@ event loop and within limits, so that one large prompt never stalls every other 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -54,16 +55,19 @@ class TextWorker:
         return await self._run(self.tokenizer.decode, ids)
 
     async def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                       template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """`tools`: for a template that renders them itself (tandem.serve.tool_calls.prompt)."""
+                       template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                       kwargs: dict[str, Any] | None = None) -> list[int]:
+        """`tools`: for a template that renders them itself (tandem.serve.tool_calls.prompt); `kwargs`:
+        the request's chat_template_kwargs (variables such as enable_thinking)."""
         self.check_chars((m["content"] for m in messages), "messages")
+        kwargs = self._template_kwargs(kwargs)
         if template is None:  # the model's own template: trusted, rendered here
-            return await self._run(self._render_and_encode, messages, add_generation_prompt, tools)
+            return await self._run(self._render_and_encode, messages, add_generation_prompt, tools, kwargs)
         if self.sandbox is None:
             raise bad_request("this server does not accept a chat_template in the request "
                               "(start it with --trust-request-chat-template)", "chat_template")
         try:
-            text = await self.sandbox.render(messages, template, add_generation_prompt, tools)
+            text = await self.sandbox.render(messages, template, add_generation_prompt, tools, kwargs)
         except TemplateError as e:
             raise bad_request(str(e), "chat_template") from e
         return await self._run(self._encode, text, False, "chat_template")
@@ -76,11 +80,23 @@ class TextWorker:
             raise bad_request(str(e), param) from e
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def _template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's template variables, never apply_chat_template's own arguments: one named
+        chat_template would render an untrusted template here, outside the sandbox."""
+        if not kwargs:
+            return {}
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"conversation", "messages"}
+        taken = sorted(set(kwargs) & own)
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: they are the renderer's own "
+                              "arguments", "chat_template_kwargs")
+        return kwargs
+
     def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                           tools: list[dict[str, Any]] | None) -> list[int]:
+                           tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
         return self._encode(text, False, "messages")
