@@ -23,7 +23,8 @@ SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-l
 OPERATIONS = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "GET /v1/cluster",
               "GET /tokenizer_info", "POST /tokenize", "POST /detokenize", "POST /v1/completions",
               "POST /v1/chat/completions", "POST /v1/cluster/workers/{worker_id}/migrate", "POST /v1/messages",
-              "POST /v1/messages/count_tokens"]
+              "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/responses/{response_id}",
+              "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items"]
 MAX_EXAMPLES = 30
 
 

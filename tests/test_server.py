@@ -196,7 +196,7 @@ def test_bad_chat_requests(server: Server, client: openai.OpenAI, body, status) 
 
 
 def test_api_key_and_admission_control() -> None:
-    with running_server(*SERVER_ARGS, "--api-key", "sekrit", "--max-num-seqs", "1",
+    with running_server(*SERVER_ARGS, "--api-key", "sekrit", "--api-key", "other", "--max-num-seqs", "1",
                         "--max-waiting-requests", "1", "--metrics-require-api-key") as s:
         bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -220,6 +220,16 @@ def test_api_key_and_admission_control() -> None:
         reply = anthropic.Anthropic(base_url=s.url, api_key="sekrit", max_retries=0).messages.create(
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert reply.usage.output_tokens == 2
+        # A stored response is its tenant's: another key can neither read, continue nor delete it.
+        mine = good.responses.create(model=model, input="Hi", max_output_tokens=2)
+        theirs = openai.OpenAI(base_url=f"{s.url}/v1", api_key="other", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.create(model=model, input="And?", previous_response_id=mine.id, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.delete(mine.id)
+        assert good.responses.retrieve(mine.id).id == mine.id
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(headers={"authorization": "Bearer sekrit"}, timeout=60) as c:

@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               metrics_require_api_key=args.metrics_require_api_key,
                               slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              max_stored_responses=args.max_stored_responses,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
     cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
     startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),

@@ -66,6 +66,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     srv.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
                      help="how the model writes tool calls; auto: from its chat template (Hermes's <tool_call> "
                      "tags when the template knows no tools, which Tandem then describes in the system prompt)")
+    srv.add_argument("--max-stored-responses", type=int, default=1024,
+                     help="responses the Responses API keeps for previous_response_id and GET (store: true); "
+                     "the least recently used go first")
     srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_FORMATS),
                      help="set a reply's reasoning apart from its answer (reasoning_content in chat, thinking "
                      "blocks in Messages): qwen3 (a <think> block at the reply's start) or deepseek_r1 (the "

@@ -29,6 +29,8 @@ from tandem.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, Reque
 from tandem.serve.openai_routes import openai_router
 from tandem.serve.prepare import GrammarCheck
 from tandem.serve.protocol import ERROR_RESPONSES
+from tandem.serve.responses_api.routes import responses_router
+from tandem.serve.responses_api.store import ResponseStore
 from tandem.serve.settings import ServerSettings
 from tandem.serve.unknown_fields import UnknownFields
 from tandem.slo import DEFAULT_SLO
@@ -79,6 +81,7 @@ def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | N
                    GrammarCheck(tokenizer, engine, settings.structured_outputs_whitespace == "flexible"), fields)
     app.include_router(openai_router(api))
     app.include_router(messages_router(api))
+    app.include_router(responses_router(api, ResponseStore(settings.max_stored_responses)))
     app.include_router(tokenizer_router(TokenizerState(engine, started, text, fields)))
     return app
 

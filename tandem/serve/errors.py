@@ -46,6 +46,11 @@ def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error type for a status."""
+    return ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
@@ -58,7 +63,7 @@ def error_response(scope: Mapping[str, Any], status: int, message: str, type_: s
                    param: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The error's response, in the shape of the API the path belongs to, and its one log line (a
     client's error is INFO: it is not the server's)."""
-    type_ = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    type_ = type_ or error_type(status)
     rid = request_id(scope)
     log.log(logging.INFO if status < 500 else logging.ERROR, "request %s: %d %s: %s", rid, status, type_, message)
     if str(scope.get("path", "")).startswith(ANTHROPIC_PREFIX):

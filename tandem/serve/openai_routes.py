@@ -1,6 +1,6 @@
 """The OpenAI routes (/v1/models, /v1/completions, /v1/chat/completions): one APIRouter over the
 API's state. Each request is prepared (prepare.py), admitted (calls.py), then collected or streamed
-(responses.py)."""
+(streams.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tandem.serve.prepare import (
     validate,
 )
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.serve.responses import collect, open_streams, sse
+from tandem.serve.streams import collect, open_streams, sse
 
 
 def openai_router(s: APIState) -> APIRouter:

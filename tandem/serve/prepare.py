@@ -47,6 +47,29 @@ async def chat_ids(text: TextSide, worker: TextWorker, messages: list[dict[str, 
     return await worker.chat_ids(msgs, add_generation_prompt, template, native_tools, kwargs)
 
 
+async def continued_ids(text: TextSide, worker: TextWorker, chat: ChatInput,
+                        tools: list[dict[str, Any]] | None) -> list[int] | None:
+    """The stored conversation's token ids, then only the new turn's: what the template renders past
+    the stored messages (after the reply's end token), tokenized alone. The history is not rendered
+    again into other tokens (a template that drops earlier reasoning would change them), so the prefix
+    cache holds all of it. None where the template's text for the new messages does not extend its
+    text for the stored ones: the caller renders the whole conversation."""
+    cont = chat.continues
+    assert cont is not None and chat.chat_template is None
+    end = text.tokenizer.decode([cont.token_ids[-1]]) if cont.token_ids else ""
+    if end not in getattr(text.tokenizer, "all_special_tokens", ()):
+        return None
+    native = template_knows_tools(text.template)
+    before, native_tools = template_inputs(cont.messages, tools, text.tool_format, native)
+    after, _ = template_inputs(chat.messages, tools, text.tool_format, native)
+    stored = await worker.chat_text(before, False, native_tools, chat.template_kwargs)
+    whole = await worker.chat_text(after, chat.add_generation_prompt, native_tools, chat.template_kwargs)
+    if not whole.startswith(stored) or end not in stored:
+        return None
+    tail = stored[stored.rindex(end) + len(end):]  # what the template writes after the reply's end token
+    return cont.token_ids + await worker.encode(tail + whole[len(stored):], add_special_tokens=False, param="input")
+
+
 def reasoning_opened(text: TextSide, ids: list[int]) -> bool:
     """Whether the rendered prompt ends inside the reply's reasoning (its template wrote the start tag)."""
     if text.reasoning is None or text.tokenizer is None:
@@ -95,6 +118,15 @@ class GrammarCheck:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """A stored conversation a request continues: its messages as rendered (the reply included) and
+    its token ids, up to the reply's end token."""
+
+    messages: list[dict[str, Any]]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class ChatInput:
     """A chat request as every chat API (OpenAI's chat, Anthropic's Messages) gives it to the template:
     its messages as template dicts (role, content, tool_calls, tool_call_id), the function definitions
@@ -107,6 +139,7 @@ class ChatInput:
     add_generation_prompt: bool = True
     chat_template: str | None = None
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: variables such as enable_thinking
+    continues: Continuation | None = None  # the messages start with this stored conversation's
     tools_param: str = "tools"  # the field a bad tool definition or choice is blamed on
 
 
@@ -129,8 +162,11 @@ async def chat_prompt(s: ChatAPI, chat: ChatInput, params: SamplingParams,
     tools = tool_plan(s.text, chat, params)
     await s.grammars.check(params, chat.tools_param if tools is not None and tools.grammar else "response_format")
     s.admission.admit(call, 1, params)
-    ids = await chat_ids(s.text, s.text.worker, chat.messages, tools.prompt_tools if tools else None,
-                         chat.add_generation_prompt, chat.chat_template, chat.template_kwargs)
+    prompt_tools = tools.prompt_tools if tools else None
+    ids = await continued_ids(s.text, s.text.worker, chat, prompt_tools) if chat.continues else None
+    if ids is None:
+        ids = await chat_ids(s.text, s.text.worker, chat.messages, prompt_tools, chat.add_generation_prompt,
+                             chat.chat_template, chat.template_kwargs)
     if params.max_tokens is None:
         assert s.engine.info is not None
         params.max_tokens = max(s.engine.info.max_model_len - len(ids), 1)

@@ -28,6 +28,7 @@ class ServerSettings:
     metrics_require_api_key: bool = False
     slo: Slo | None = None  # what the dashboard's goodput and SLO lines judge by
     tool_call_parser: str = "auto"  # how replies write tool calls (tandem.serve.tool_calls.formats)
+    max_stored_responses: int = 1024  # the Responses API's stored responses (least recently used go first)
     reasoning_parser: str | None = None  # how replies set their reasoning apart (tandem.serve.reasoning)
     # JSON constraints' whitespace when a request does not say (structured_outputs.disable_any_whitespace)
     structured_outputs_whitespace: str = "compact"  # or flexible: llguidance's default

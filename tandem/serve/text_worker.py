@@ -72,6 +72,12 @@ class TextWorker:
             raise bad_request(str(e), "chat_template") from e
         return await self._run(self._encode, text, False, "chat_template")
 
+    async def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+        """The model's own template rendered, as text (a follow-up's new turn is the difference of two)."""
+        self.check_chars((m["content"] for m in messages), "messages")
+        return await self._run(self._render, messages, add_generation_prompt, tools, self._template_kwargs(kwargs))
+
     # -- on the worker thread -------------------------------------------------------------------
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
@@ -92,11 +98,14 @@ class TextWorker:
                               "arguments", "chat_template_kwargs")
         return kwargs
 
-    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                           tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template error is the request's problem (e.g. roles out of order)
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
-        return self._encode(text, False, "messages")
+
+    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> list[int]:
+        return self._encode(self._render(messages, add_generation_prompt, tools, kwargs), False, "messages")

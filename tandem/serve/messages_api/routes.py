@@ -15,7 +15,7 @@ from tandem.serve.errors import bad_request, request_id
 from tandem.serve.messages_api.format import Reply, message, message_events, message_id
 from tandem.serve.messages_api.protocol import ANTHROPIC_ERROR_RESPONSES, CountTokensRequest, MessagesRequest
 from tandem.serve.prepare import ChatInput, chat_ids, chat_prompt, check_model, reasoning_opened
-from tandem.serve.responses import collect, interleave, open_streams
+from tandem.serve.streams import collect, interleave, open_streams
 
 
 def _chat_input(body: CountTokensRequest) -> ChatInput:
