@@ -6,6 +6,7 @@ function tools round-trip; retrieve, input_items and delete; and errors are Open
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -129,3 +130,32 @@ def test_structured_output_and_errors(server, client) -> None:  # noqa: ANN001
         assert r.json()["error"]["param"] == param, (body, r.text)
     assert httpx.get(f"{server.url}/v1/responses/resp_nope").status_code == 404
     assert httpx.delete(f"{server.url}/v1/responses/resp_nope").status_code == 404
+
+
+def test_a_stored_conversation_keeps_its_kv_under_pressure_and_gives_it_back(shared_server) -> None:  # noqa: ANN001
+    # The default server's flags with a pool of about 900 tokens, so that a few other prompts fill it.
+    server = shared_server(*DEFAULT_SERVER, "--kv-cache-memory", "0.02")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, instructions=INSTRUCTIONS * 8, input="Name a colour.",
+                                    max_output_tokens=24, temperature=0)
+    history = first.usage.input_tokens + first.usage.output_tokens
+    for i in range(4):  # other traffic: unique prompts, about 1.5 pools' worth in all
+        client.completions.create(model=model, prompt=f"{i} " + "lorem ipsum dolor sit amet " * 60, max_tokens=1)
+    second = client.responses.create(model=model, instructions=INSTRUCTIONS * 8, input="Another?",
+                                     previous_response_id=first.id, max_output_tokens=8, temperature=0)
+    assert second.usage.input_tokens_details.cached_tokens >= history - 16, (history, second.usage)
+    # Both stored conversations hold blocks while idle; deleted, they hold none.
+    assert wait_for(lambda: server.metric("kv_cache_used_blocks") > 0)
+    for response in (first, second):
+        client.responses.delete(response.id)
+    assert wait_for(lambda: server.metric("kv_cache_used_blocks") == 0)
+
+
+def wait_for(check, timeout: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False

@@ -43,7 +43,7 @@ from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
 from tandem.engine.core import EngineCoreOutput
-from tandem.engine.messages import KVEvents, RequestsFailed, Shutdown, StepOutputs
+from tandem.engine.messages import KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape
@@ -325,6 +325,13 @@ class DisaggEngine(EngineClient):
             task = asyncio.get_running_loop().create_task(self.dispatch.stop(rid, flight.prefill, flight.decode))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+    async def release_kv(self, handles: list[str]) -> None:
+        # The router does not track which worker finished a conversation: each worker drops the
+        # handles it holds and ignores the rest.
+        if handles:
+            for worker in self.registry.live():
+                await self._send(worker, ReleaseKV(handles))
 
     # -- live migration -----------------------------------------------------------------------
     async def migrate_from(self, worker_id: str) -> dict[str, Any]:

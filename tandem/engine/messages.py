@@ -1,7 +1,7 @@
 """The messages an engine service exchanges with whoever feeds it requests: the colocated server's
 API process, or a cluster's router. Typed, so each side dispatches on the class, not on a string.
 
-  in:  AddRequests, AbortRequests, Shutdown
+  in:  AddRequests, AbortRequests, ReleaseKV, Shutdown
   out: Ready (or StartupFailed) once, then StepOutputs after steps (and as a heartbeat), RequestsFailed,
        KVEvents when a step changed the prefix cache
 """
@@ -24,6 +24,13 @@ class AddRequests:
 @dataclass
 class AbortRequests:
     request_ids: list[str]
+
+
+@dataclass
+class ReleaseKV:
+    """Stored conversations' KV that no longer needs keeping (a handle no engine knows is ignored)."""
+
+    handles: list[str]
 
 
 @dataclass

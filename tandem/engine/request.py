@@ -54,6 +54,9 @@ class Request:
     # the prompt-token budget against other tenants with work.
     tenant: str | None = None
     tenant_weight: float = 1.0
+    # A stored conversation's handle: when the request finishes, its blocks stay cached under it until
+    # released (ReleaseKV), so that the conversation's next turn finds its whole history cached.
+    retain_kv_as: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -131,6 +131,9 @@ class Scheduler:
         request.status = status
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
+        if request.retain_kv_as is not None and status in (RequestStatus.FINISHED_STOPPED,
+                                                           RequestStatus.FINISHED_LENGTH):
+            self.kv.retain(request.retain_kv_as, request)
         if self.connector.request_finished(request, self.kv.get_block_ids(request.request_id)):
             self._held[request.request_id] = request
         else:

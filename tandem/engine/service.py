@@ -20,7 +20,15 @@ from typing import Any
 
 from tandem.engine.core import EngineCore, EngineCoreOutput
 from tandem.engine.core_report import core_stats
-from tandem.engine.messages import AbortRequests, AddRequests, KVEvents, RequestsFailed, Shutdown, StepOutputs
+from tandem.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    KVEvents,
+    ReleaseKV,
+    RequestsFailed,
+    Shutdown,
+    StepOutputs,
+)
 from tandem.engine.request import Request
 from tandem.parallel.shm import GroupFailed
 
@@ -36,6 +44,7 @@ class EngineService:
         self.handlers: dict[type, Callable[[Any], None]] = {
             AddRequests: lambda m: [self.add(r) for r in m.requests],
             AbortRequests: lambda m: self.abort(m.request_ids),
+            ReleaseKV: lambda m: [self.core.scheduler.kv.release(h) for h in m.handles],
             Shutdown: lambda m: self.stop(),
         }
         self.stopping = False

@@ -6,12 +6,17 @@ the prefix-cache bookkeeping (hashing, hits, caching blocks as they fill).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.kv.block_pool import BlockPool, KVBlock
 from tandem.kv.hashing import HASH_FUNCTIONS, extend_block_hashes, salt_key
+
+# At most this share of the pool is kept for retained conversations (which give way to any allocation
+# that needs their blocks anyway): the rest stays the prefix cache's and the running requests'.
+RETAINED_FRACTION = 0.5
 
 
 class KVRequest(Protocol):
@@ -70,6 +75,12 @@ class KVCacheManager:
         # How many of a request's blocks are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Retained conversations (the Responses API's stored responses): a handle -> the cached blocks it
+        # keeps from eviction, oldest first. Bounded; given back, oldest first, when an allocation would
+        # otherwise fail, so that retention never stalls running requests.
+        self.retained: OrderedDict[str, list[KVBlock]] = OrderedDict()
+        self.max_retained_blocks = int(num_blocks * RETAINED_FRACTION)
+        self._num_retained = 0
 
     # -- prefix cache -------------------------------------------------------------------------
     def update_block_hashes(self, request: KVRequest) -> None:
@@ -101,6 +112,34 @@ class KVCacheManager:
             self.prefix_stats.queries += request.num_tokens
             self.prefix_stats.hits += num_hit_tokens
 
+    # -- retained conversations ---------------------------------------------------------------
+    def retain(self, handle: str, request: KVRequest) -> None:
+        """Keep the request's cached full blocks (its prompt and reply) in the prefix cache under
+        `handle` until release(handle): another tenant's traffic cannot evict them. Past the bound the
+        oldest handle is released."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        blocks = [b for b in self.req_blocks.get(rid, [])[:self._num_cached_blocks.get(rid, 0)]
+                  if b.block_hash is not None and self.pool.lookup(b.block_hash) is b]
+        self.release(handle)
+        if not blocks or len(blocks) > self.max_retained_blocks:
+            return
+        self.pool.touch(blocks)
+        self.retained[handle] = blocks
+        self._num_retained += len(blocks)
+        while self._num_retained > self.max_retained_blocks:
+            self.release(next(iter(self.retained)))
+
+    def release(self, handle: str) -> bool:
+        """Give a retained conversation's blocks back (they stay cached until evicted)."""
+        blocks = self.retained.pop(handle, None)
+        if blocks is None:
+            return False
+        self._num_retained -= len(blocks)
+        self.pool.free(reversed(blocks))
+        return True
+
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None,
@@ -126,6 +165,11 @@ class KVCacheManager:
         num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
         # Hits with no other user sit in the free queue: taking them also consumes free blocks.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        while self.retained and num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
+            # Retention gives way: the oldest retained conversation first (its blocks stay cached, and
+            # any of them among this request's hits now sit in the free queue too).
+            self.release(next(iter(self.retained)))
+            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id], self.req_block_ids[request.request_id]

@@ -29,6 +29,7 @@ from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
     Ready,
+    ReleaseKV,
     RequestsFailed,
     Shutdown,
     StartupFailed,
@@ -104,6 +105,10 @@ class EngineClient(EngineLoad):
     async def _abort_in_engine(self, child_ids: list[str]) -> None:
         raise NotImplementedError
 
+    async def release_kv(self, handles: list[str]) -> None:
+        """Stored conversations' KV no longer kept (generate's retain_as handles)."""
+        raise NotImplementedError
+
     def cluster(self) -> dict[str, Any]:
         """The deployment as the dashboard draws it: mode, router, workers, transfers, planner
         (serve/cluster_view.py adds the rest of GET /v1/cluster)."""
@@ -142,13 +147,14 @@ class EngineClient(EngineLoad):
     # -- requests -----------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
                  cache_salt: str | None = None, request_id: str | None = None, priority: int = 0,
-                 tenant: str | None = None, tenant_weight: float = 1.0,
-                 timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                 tenant: str | None = None, tenant_weight: float = 1.0, timeout: float | None = None,
+                 retain_as: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError on bad input) and enqueue now; the returned iterator yields outputs until
         the request finishes. Closing it early aborts the request.
 
         Enqueueing is synchronous so that admission control sees every accepted request at once,
-        even before anyone iterates."""
+        even before anyone iterates. retain_as: keep the finished conversation's KV cached under this
+        handle until release_kv (a stored response's)."""
         if not self.healthy:
             raise EngineDeadError(self.dead or "engine is not running")
         assert self.inputs is not None
@@ -156,6 +162,8 @@ class EngineClient(EngineLoad):
         requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
         for r in requests:
             r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
+        if len(requests) == 1:
+            requests[0].retain_kv_as = retain_as
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
         keys = self._block_keys(prompt_ids, cache_salt)
         work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
@@ -335,6 +343,10 @@ class AsyncEngine(EngineClient):
     async def _abort_in_engine(self, child_ids: list[str]) -> None:
         if self.healthy:
             await self._push.send_pyobj(AbortRequests(child_ids))
+
+    async def release_kv(self, handles: list[str]) -> None:
+        if self.healthy and handles:
+            await self._push.send_pyobj(ReleaseKV(handles))
 
     async def _read_outputs(self) -> None:
         while True:

@@ -42,9 +42,11 @@ async def tracked(gen: AsyncIterator[RequestOutput], metrics: ServerMetrics) -> 
 
 
 def open_streams(engine: EngineClient, metrics: ServerMetrics, prompts: list[list[int]], params: SamplingParams,
-                 texts: list[str | None], call: Call) -> list[AsyncIterator[RequestOutput]]:
+                 texts: list[str | None], call: Call,
+                 retain_as: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+    """retain_as: one prompt's conversation whose KV stays cached under this handle (a stored response)."""
     return [tracked(engine.generate(ids, params, text, call.salt, priority=call.priority, tenant=call.tenant,
-                                    tenant_weight=call.weight, timeout=call.timeout), metrics)
+                                    tenant_weight=call.weight, timeout=call.timeout, retain_as=retain_as), metrics)
             for ids, text in zip(prompts, texts, strict=True)]
 
 

@@ -4,6 +4,7 @@ with its conversation, so that a follow-up by previous_response_id sends only it
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -46,6 +47,13 @@ def _reply_message(output: list[dict[str, Any]]) -> dict[str, Any]:
 
 def responses_router(s: APIState, store: ResponseStore) -> APIRouter:
     router = APIRouter()
+    background: set[asyncio.Task] = set()
+
+    def release(handles: list[str]) -> None:
+        """Evicted responses' KV given back, without holding up the response that evicted them."""
+        task = asyncio.get_running_loop().create_task(s.engine.release_kv(handles))
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     @router.post(PREFIX)
     async def create(body: ResponsesRequest, request: Request) -> Response:
@@ -90,10 +98,14 @@ def responses_router(s: APIState, store: ResponseStore) -> APIRouter:
             out = final.outputs[0]
             ended = out.finish_reason == "stop" and out.stop_reason is None and bool(out.token_ids)
             messages = history + new_messages + [_reply_message(response["output"])]
-            store.put(shown.id, StoredResponse(tenant, response, input_items, messages, system,
-                                               ids + out.token_ids if ended else None, call.salt))
+            evicted = store.put(shown.id, StoredResponse(tenant, response, input_items, messages, system,
+                                                         ids + out.token_ids if ended else None, call.salt))
+            if evicted:
+                release(evicted)
 
-        streams = open_streams(s.engine, live.metrics, [ids], params, [None], call)
+        # A stored response's KV stays cached (retained) in the engine until it is deleted or evicted.
+        streams = open_streams(s.engine, live.metrics, [ids], params, [None], call,
+                               retain_as=shown.id if body.store else None)
         if body.stream:
             events = response_events(interleave(streams, call.timeout), shown, keep)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -113,6 +125,7 @@ def responses_router(s: APIState, store: ResponseStore) -> APIRouter:
     async def delete(response_id: str, request: Request) -> dict[str, Any]:
         if not store.delete(response_id, _tenant(request, s)):
             raise _not_found(response_id)
+        await s.engine.release_kv([response_id])
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.get(PREFIX + "/{response_id}/input_items")
