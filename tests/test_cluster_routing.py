@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from cluster_utils import TINY, metric, metric_or_zero, run_all, wait_blocks_free, worker_pid
+from cluster_utils import TINY, metric, metric_or_zero, run_all, settled, wait_blocks_free, worker_pid
 from server_utils import Server, running_server
 
 from tandem import SamplingParams
@@ -84,6 +84,23 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) 
         assert after[holder][0] == 0
         assert sum(after[w][1] for w in [holder, *others]) > 0
         wait_blocks_free(s)
+        stored_conversation_through_the_router(s, doc)
+
+
+def stored_conversation_through_the_router(s: Server, doc: str) -> None:
+    """A Responses API follow-up through the router finds its history cached on a worker (the stored
+    response's KV is retained there and the router goes where the prefix is), and a delete gives the
+    blocks back on every worker."""
+    url = f"{s.url}/v1/responses"
+    first = httpx.post(url, json={"model": "m", "input": doc, "max_output_tokens": 4}, timeout=60).json()
+    used = settled(lambda: metric_or_zero(s, "worker_kv_cache_used_blocks"), lambda v: v > 0)
+    assert used > 0, "a stored response's KV is retained"
+    second = httpx.post(url, json={"model": "m", "input": "And then?", "previous_response_id": first["id"],
+                                   "max_output_tokens": 4}, timeout=60).json()
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 16
+    for response in (first, second):
+        assert httpx.delete(f"{url}/{response['id']}", timeout=10).json()["deleted"]
+    wait_blocks_free(s)
 
 
 def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_worker_into_one(

@@ -74,6 +74,10 @@ def test_retained_blocks_stay_within_their_bound_and_a_handle_holds_its_latest_t
     assert list(kv.retained) == ["resp_b", "resp_c"] and held(kv) == 6
     finished(kv, "c2", list(range(300, 313)), retain="resp_c")  # the same handle again: its blocks replaced
     assert list(kv.retained) == ["resp_b", "resp_c"] and held(kv) == 5 + 3
-    for handle in ("resp_b", "resp_c"):
+    finished(kv, "d", list(range(400, 445)), retain="resp_d")  # 11 blocks, past the bound: its first 8
+    assert list(kv.retained) == ["resp_d"] and held(kv) == 8
+    finished(kv, "pressure", list(range(900, 932)))  # the 8 other blocks: d's tail is evicted
+    assert hits(kv, list(range(400, 445))) == 8 * BS  # its retained first blocks remain a prefix hit
+    for handle in ("resp_b", "resp_c", "resp_d"):
         kv.release(handle)
     assert held(kv) == 0 and all(b.ref_cnt == 0 for b in kv.pool.blocks)

@@ -133,8 +133,9 @@ def test_structured_output_and_errors(server, client) -> None:  # noqa: ANN001
 
 
 def test_a_stored_conversation_keeps_its_kv_under_pressure_and_gives_it_back(shared_server) -> None:  # noqa: ANN001
-    # The default server's flags with a pool of about 900 tokens, so that a few other prompts fill it.
-    server = shared_server(*DEFAULT_SERVER, "--kv-cache-memory", "0.02")
+    # The default server's flags with a pool of 960 tokens (in blocks: the same on every machine,
+    # whatever the default dtype), so that a few other prompts fill it.
+    server = shared_server(*DEFAULT_SERVER, "--num-blocks", "60")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     first = client.responses.create(model=model, instructions=INSTRUCTIONS * 8, input="Name a colour.",

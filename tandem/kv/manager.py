@@ -116,14 +116,17 @@ class KVCacheManager:
     def retain(self, handle: str, request: KVRequest) -> None:
         """Keep the request's cached full blocks (its prompt and reply) in the prefix cache under
         `handle` until release(handle): another tenant's traffic cannot evict them. Past the bound the
-        oldest handle is released."""
+        oldest handle is released; a conversation longer than the bound keeps its first blocks (a
+        follow-up still finds that prefix cached)."""
         if not self.enable_caching:
             return
         rid = request.request_id
         blocks = [b for b in self.req_blocks.get(rid, [])[:self._num_cached_blocks.get(rid, 0)]
                   if b.block_hash is not None and self.pool.lookup(b.block_hash) is b]
+        # A prefix's blocks are the cache's only use to a follow-up: stop at the first one not cached.
+        blocks = blocks[:self.max_retained_blocks]
         self.release(handle)
-        if not blocks or len(blocks) > self.max_retained_blocks:
+        if not blocks:
             return
         self.pool.touch(blocks)
         self.retained[handle] = blocks
