@@ -134,8 +134,8 @@ def test_structured_output_and_errors(server, client) -> None:  # noqa: ANN001
 
 def test_a_stored_conversation_keeps_its_kv_under_pressure_and_gives_it_back(shared_server) -> None:  # noqa: ANN001
     # The default server's flags with a pool of 960 tokens (in blocks: the same on every machine,
-    # whatever the default dtype), so that a few other prompts fill it.
-    server = shared_server(*DEFAULT_SERVER, "--num-blocks", "60")
+    # whatever the default dtype), so that a few other prompts fill it, and room for one stored response.
+    server = shared_server(*DEFAULT_SERVER, "--num-blocks", "60", "--max-stored-responses", "1")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     first = client.responses.create(model=model, instructions=INSTRUCTIONS * 8, input="Name a colour.",
@@ -146,10 +146,12 @@ def test_a_stored_conversation_keeps_its_kv_under_pressure_and_gives_it_back(sha
     second = client.responses.create(model=model, instructions=INSTRUCTIONS * 8, input="Another?",
                                      previous_response_id=first.id, max_output_tokens=8, temperature=0)
     assert second.usage.input_tokens_details.cached_tokens >= history - 16, (history, second.usage)
-    # Both stored conversations hold blocks while idle; deleted, they hold none.
+    # Storing the second pushed the first out of the store, and its retained KV with it: once the
+    # second is deleted too, no block is held.
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
     assert wait_for(lambda: server.metric("kv_cache_used_blocks") > 0)
-    for response in (first, second):
-        client.responses.delete(response.id)
+    client.responses.delete(second.id)
     assert wait_for(lambda: server.metric("kv_cache_used_blocks") == 0)
 
 
