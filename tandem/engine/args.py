@@ -88,20 +88,16 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _engine_dests() -> tuple[str, ...]:
+    """The attribute names add_engine_args declares (the model's excepted): the one list of engine options."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    return tuple(a.dest for a in p._actions if a.dest != "model")
+
+
+ENGINE_DESTS = _engine_dests()
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, quantization=args.quantization, deterministic=args.deterministic,
-                kv_cache_memory=args.kv_cache_memory,
-                num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                prefault_kv_cache=args.prefault_kv_cache,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, long_prefill_token_threshold=args.long_prefill_token_threshold,
-                contended_prefill_chunk=args.contended_prefill_chunk,
-                max_model_len=args.max_model_len,
-                enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
-                tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-                enable_eplb=args.enable_eplb, eplb_spare_slots=args.eplb_spare_slots, eplb_interval=args.eplb_interval,
-                kv_offload_memory=args.kv_offload_memory, kv_offload_path=args.kv_offload_path,
-                kv_offload_disk=args.kv_offload_disk, kv_offload_disk_size=args.kv_offload_disk_size,
-                kv_store=args.kv_store, kv_store_ttl=args.kv_store_ttl,
-                speculative_config=args.speculative_config)
+    """The engine options of args (parsed by a parser add_engine_args built), by name."""
+    return {dest: getattr(args, dest) for dest in ENGINE_DESTS}
