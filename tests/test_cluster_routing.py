@@ -92,11 +92,13 @@ def stored_conversation_through_the_router(s: Server, doc: str) -> None:
     response's KV is retained there and the router goes where the prefix is), and a delete gives the
     blocks back on every worker."""
     url = f"{s.url}/v1/responses"
-    first = httpx.post(url, json={"model": "m", "input": doc, "max_output_tokens": 4}, timeout=60).json()
+    model = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    first = httpx.post(url, json={"model": model, "input": doc, "max_output_tokens": 4}, timeout=60)
+    first = first.raise_for_status().json()
     used = settled(lambda: metric_or_zero(s, "worker_kv_cache_used_blocks"), lambda v: v > 0)
     assert used > 0, "a stored response's KV is retained"
-    second = httpx.post(url, json={"model": "m", "input": "And then?", "previous_response_id": first["id"],
-                                   "max_output_tokens": 4}, timeout=60).json()
+    second = httpx.post(url, json={"model": model, "input": "And then?", "previous_response_id": first["id"],
+                                   "max_output_tokens": 4}, timeout=60).raise_for_status().json()
     assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 16
     for response in (first, second):
         assert httpx.delete(f"{url}/{response['id']}", timeout=10).json()["deleted"]
