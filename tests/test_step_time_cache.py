@@ -5,6 +5,8 @@ again."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,3 +81,17 @@ def test_what_sets_a_steps_time_is_in_the_key(make_llm, monkeypatch: pytest.Monk
     monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
     others.append(key())
     assert base not in others and len(set(others)) == len(others)
+
+
+def test_the_code_stamp_follows_the_sources_content_not_where_or_when_they_were_written(tmp_path: Path) -> None:
+    """Another checkout of the same code (a fresh clone: new paths, new modification times) reads the
+    same profiles; a changed source does not."""
+    copy = tmp_path / "tandem"
+    shutil.copytree(step_time_cache.PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    some = copy / "engine" / "step_time_cache.py"
+    os.utime(some, (1, 1))  # as old as can be: a checkout writes its own times
+    assert step_time_cache.code_stamp(copy) == step_time_cache.code_stamp()
+    fresh = tmp_path / "again"
+    shutil.copytree(copy, fresh)
+    (fresh / "engine" / "step_time_cache.py").write_text(some.read_text() + "\n# changed\n")
+    assert step_time_cache.code_stamp(fresh) != step_time_cache.code_stamp()

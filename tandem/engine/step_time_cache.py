@@ -12,6 +12,7 @@ trusted for ever. Deleting the directory forces a new measurement.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -36,21 +37,26 @@ MAX_AGE_S = 7 * 24 * 3600
 _KEYED_ENV = ("TANDEM_DISABLE_KERNELS", "TANDEM_KERNEL_CFLAGS", "TANDEM_NATIVE_LAYERS", "TANDEM_QUANT_GEMM_ROWS")
 
 
-def _code_stamp() -> str:
-    """The package's Python sources as installed (names, sizes, modification times): a change to the
-    code that runs a step is a new key, as a change to the kernels' sources is a new build."""
-    root = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def code_stamp(root: Path = PACKAGE_ROOT) -> str:
+    """The package's Python sources (names and contents): a change to the code that runs a step is a
+    new key, as a change to the kernels' sources is a new build. By content, not modification time, so
+    another checkout of the same code (a fresh clone, a worktree) reads the profiles back (~2 MB
+    hashed once per process, a few ms)."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        st = path.stat()
-        h.update(f"{path.relative_to(root)} {st.st_size} {st.st_mtime_ns}\n".encode())
+        h.update(f"{path.relative_to(root)}\n".encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
 def profile_key(kind: str, config: EngineConfig, fingerprint: int, num_blocks: int, max_model_len: int) -> str:
     """The key of one profile kind for this engine (fingerprint: its weights', model/fingerprint.py)."""
     parts = {
-        "kind": kind, "code": _code_stamp(), "torch": torch.__version__, "fingerprint": fingerprint,
+        "kind": kind, "code": code_stamp(), "torch": torch.__version__, "fingerprint": fingerprint,
         "model": [str(config.model.dtype), config.model.quantization, config.model.deterministic],
         "cache": [config.cache.block_size, config.cache.kv_cache_dtype, num_blocks, max_model_len],
         "scheduler": repr(config.scheduler), "parallel": repr(config.parallel),
