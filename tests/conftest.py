@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import hashlib
+import importlib.metadata
 import os
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -119,16 +125,42 @@ def passages() -> list[str]:
 
 
 def load_hf_gguf(path: Path):  # noqa: ANN201
-    """Hugging Face transformers on a GGUF file's weights (its own dequantizer), float32, in eval mode."""
+    """Hugging Face transformers on a GGUF file's weights (its own dequantizer), float32, in eval mode.
+
+    transformers' own conversion of the file is kept per machine (safetensors in the temp directory,
+    keyed by the file and the library's versions, written atomically): reading it back takes a second
+    where converting again takes 10-45 s, nearly all of it gguf-py parsing the tokenizer's arrays."""
     import gguf
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    stat = path.stat()
+    versions = [transformers.__version__, importlib.metadata.version("gguf"), torch.__version__]
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{versions}"
+    kept = Path(tempfile.gettempdir()) / f"tandem-tests-{os.getuid()}" / \
+        f"hf-{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    if (kept / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
     # Speed only (its numbers are untouched): transformers reads the file twice (config, then weights)
     # and rebuilds gguf-py's tensor-name map per tensor; both are pure functions of their arguments.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=kept.parent))
+    # The converted model, as a plain checkpoint: transformers will not save a model it loaded from
+    # GGUF (it counts as quantized), so its config less the GGUF marker, and its tensors.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    try:
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
+        staging.rename(kept)
+    except OSError:  # another session kept it first, or the disk is full: not kept
+        shutil.rmtree(staging, ignore_errors=True)
     return model.eval()
 
 
