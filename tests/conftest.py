@@ -124,6 +124,42 @@ def passages() -> list[str]:
     return [p for p in (DATA / "passages.txt").read_text().splitlines() if p.strip()]
 
 
+def _kept_conversion(path: Path, what: str) -> Path:
+    """Where transformers' conversion of a GGUF file is kept on this machine (keyed by the file and the
+    libraries' versions)."""
+    import transformers
+
+    stat = path.stat()
+    versions = [transformers.__version__, importlib.metadata.version("gguf"), torch.__version__]
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{versions}"
+    return Path(tempfile.gettempdir()) / f"tandem-tests-{os.getuid()}" / \
+        f"hf-{what}-{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _keep(kept: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory atomically (staged, then renamed): parallel or repeated sessions share it."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=kept.parent))
+    try:
+        write(staging)
+        staging.rename(kept)
+    except OSError:  # another session kept it first, or the disk is full: not kept
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_hf_gguf_tokenizer(path: Path):  # noqa: ANN201
+    """transformers' tokenizer of a GGUF file (its own conversion of the file's tokenizer keys), kept
+    per machine as load_hf_gguf keeps the model."""
+    from transformers import AutoTokenizer
+
+    kept = _kept_conversion(path, "tokenizer")
+    if (kept / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(kept)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _keep(kept, tokenizer.save_pretrained)
+    return tokenizer
+
+
 def load_hf_gguf(path: Path):  # noqa: ANN201
     """Hugging Face transformers on a GGUF file's weights (its own dequantizer), float32, in eval mode.
 
@@ -131,14 +167,9 @@ def load_hf_gguf(path: Path):  # noqa: ANN201
     keyed by the file and the library's versions, written atomically): reading it back takes a second
     where converting again takes 10-45 s, nearly all of it gguf-py parsing the tokenizer's arrays."""
     import gguf
-    import transformers
     from transformers import AutoModelForCausalLM
 
-    stat = path.stat()
-    versions = [transformers.__version__, importlib.metadata.version("gguf"), torch.__version__]
-    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{versions}"
-    kept = Path(tempfile.gettempdir()) / f"tandem-tests-{os.getuid()}" / \
-        f"hf-{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    kept = _kept_conversion(path, "model")
     if (kept / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
     # Speed only (its numbers are untouched): transformers reads the file twice (config, then weights)
@@ -147,20 +178,18 @@ def load_hf_gguf(path: Path):  # noqa: ANN201
         mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=kept.parent))
     # The converted model, as a plain checkpoint: transformers will not save a model it loaded from
     # GGUF (it counts as quantized), so its config less the GGUF marker, and its tensors.
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    try:
-        config.save_pretrained(staging)
-        model.generation_config.save_pretrained(staging)
-        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
-        staging.rename(kept)
-    except OSError:  # another session kept it first, or the disk is full: not kept
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def write(directory: Path) -> None:
+        config.save_pretrained(directory)
+        model.generation_config.save_pretrained(directory)
+        safetensors.torch.save_model(model, str(directory / "model.safetensors"))
+
+    _keep(kept, write)
     return model.eval()
 
 

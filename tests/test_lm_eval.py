@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FP32_SERVER
+from conftest import FP32_SERVER, load_hf_gguf_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "evals/tandem_python"
@@ -34,10 +34,8 @@ def server(shared_server):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(default_model_path: Path):  # noqa: ANN201
-    """The transformers tokenizer of the model's GGUF file, for the harness's HFLM (read once: it parses the file)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+    """The transformers tokenizer of the model's GGUF file, for the harness's HFLM."""
+    return load_hf_gguf_tokenizer(default_model_path)
 
 
 def evaluate(model: object, tasks: list[str], chat: bool = False, model_args: dict | None = None,
