@@ -13,9 +13,10 @@ import tandem
 from tandem.serve import cluster_view
 from tandem.serve.app_state import Started, TextSide
 from tandem.serve.async_engine import EngineClient
+from tandem.serve.error_shape import error_body
 from tandem.serve.errors import APIError, bad_request, request_id
 from tandem.serve.prepare import chat_ids, check_model, need_text
-from tandem.serve.protocol import DetokenizeRequest, TokenizeRequest, error_body
+from tandem.serve.protocol import DetokenizeRequest, TokenizeRequest
 from tandem.serve.unknown_fields import UnknownFields
 from tandem.slo import Slo
 

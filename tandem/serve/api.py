@@ -22,13 +22,13 @@ from tandem.serve.app_state import Live, Started, TextSide
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers, key_salts
 from tandem.serve.dashboard import mount_dashboard
+from tandem.serve.error_shape import ERROR_RESPONSES
 from tandem.serve.errors import install_error_handlers
 from tandem.serve.messages_api.routes import messages_router
 from tandem.serve.metrics import ServerMetrics
 from tandem.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tandem.serve.openai_routes import openai_router
 from tandem.serve.prepare import GrammarCheck
-from tandem.serve.protocol import ERROR_RESPONSES
 from tandem.serve.responses_api.routes import responses_router
 from tandem.serve.responses_api.store import ResponseStore
 from tandem.serve.settings import ServerSettings

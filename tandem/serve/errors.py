@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tandem.serve.async_engine import EngineDeadError, EngineRequestError
-from tandem.serve.protocol import error_body
+from tandem.serve.error_shape import error_body
 
 log = logging.getLogger("tandem.serve.api")
 

@@ -15,10 +15,10 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Call
+from tandem.serve.error_shape import error_body
 from tandem.serve.errors import APIError
 from tandem.serve.metrics import RequestTimer, ServerMetrics
 from tandem.serve.openai_format import Formatter, usage
-from tandem.serve.protocol import error_body
 
 
 async def tracked(gen: AsyncIterator[RequestOutput], metrics: ServerMetrics) -> AsyncIterator[RequestOutput]:
