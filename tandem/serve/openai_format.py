@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 from tandem.outputs import CompletionOutput, Logprob
-from tandem.serve.reasoning import ReasoningFormat, ReasoningParser, split_reply
+from tandem.serve.reasoning import ReasoningFormat, split_reply
+from tandem.serve.reply_parser import ReplyParser
 from tandem.serve.tool_calls.formats import ToolFormat
-from tandem.serve.tool_calls.parser import Delta, ToolCallDelta, ToolCallParser, parse_reply
+from tandem.serve.tool_calls.parser import Delta, ToolCallDelta, parse_reply
 
 
 class Formatter:
@@ -25,8 +26,7 @@ class Formatter:
         self.chat = chat
         self.tools = tools
         self.reasoning, self.reasoning_opened = reasoning, reasoning_opened
-        self._parsers: dict[int, ToolCallParser] = {}  # by choice index, while streaming
-        self._thinking: dict[int, ReasoningParser] = {}
+        self._replies: dict[int, ReplyParser] = {}  # by choice index, while streaming
         self.created = int(time.time())
 
     def _token_str(self, token_id: int) -> str:
@@ -104,25 +104,19 @@ class Formatter:
         lp = self.logprobs(token_ids, entries, num_top)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if self.reasoning is not None:
-                thinking = self._thinking.setdefault(index, ReasoningParser(self.reasoning, self.reasoning_opened))
-                split = thinking.feed(text)
-                if finish_reason is not None:
-                    split.extend(thinking.finish())
-                if split.reasoning:
-                    delta["reasoning_content"] = split.reasoning
-                text = split.content
+            reply = self._replies.get(index)
+            if reply is None:
+                reply = self._replies[index] = ReplyParser(self.tools, self.reasoning, self.reasoning_opened)
+            piece = reply.feed(text, final=finish_reason is not None)
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
             if self.tools is None:
-                if text or role:
-                    delta["content"] = text
+                if piece.delta.content or role:
+                    delta["content"] = piece.delta.content
             else:
-                parser = self._parsers.setdefault(index, ToolCallParser(self.tools))
-                parsed = parser.feed(text)
-                if finish_reason is not None:
-                    parsed.extend(parser.finish())
-                    if parser.num_calls and finish_reason == "stop":
-                        finish_reason = "tool_calls"
-                delta |= _delta_json(parsed, role)
+                if finish_reason == "stop" and reply.num_calls:
+                    finish_reason = "tool_calls"
+                delta |= _delta_json(piece.delta, role)
             held = self.tools is not None or self.reasoning is not None  # text a parser holds back
             if held and not delta and lp is None and finish_reason is None:
                 return None

@@ -12,9 +12,10 @@ from typing import Any
 
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.serve.errors import anthropic_error_body as error_body
-from tandem.serve.reasoning import ReasoningFormat, ReasoningParser, split_reply
+from tandem.serve.reasoning import ReasoningFormat, split_reply
+from tandem.serve.reply_parser import ReplyParser
 from tandem.serve.tool_calls.formats import ToolFormat
-from tandem.serve.tool_calls.parser import Delta, ToolCallParser, parse_reply
+from tandem.serve.tool_calls.parser import parse_reply
 
 
 def message_id() -> str:
@@ -101,30 +102,20 @@ class BlockStream:
     starts or the reply ends."""
 
     def __init__(self, reply: Reply) -> None:
-        self.thinking = ReasoningParser(reply.reasoning, reply.reasoning_opened) if reply.reasoning else None
-        self.parser = ToolCallParser(reply.tools) if reply.tools is not None else None
+        self.reply = ReplyParser(reply.tools, reply.reasoning, reply.reasoning_opened)
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.calls = 0
 
     def feed(self, text: str, final: bool) -> list[str]:
         events: list[str] = []
-        if self.thinking is not None:
-            split = self.thinking.feed(text)
-            if final:
-                split.extend(self.thinking.finish())
-            if split.reasoning:
-                if self.open != "thinking":
-                    events += self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
-                events.append(event("content_block_delta", {
-                    "index": self.index, "delta": {"type": "thinking_delta", "thinking": split.reasoning}}))
-            text = split.content
-        if self.parser is None:
-            delta = Delta(text)
-        else:
-            delta = self.parser.feed(text)
-            if final:
-                delta.extend(self.parser.finish())
+        piece = self.reply.feed(text, final)
+        if piece.reasoning:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+            events.append(event("content_block_delta", {
+                "index": self.index, "delta": {"type": "thinking_delta", "thinking": piece.reasoning}}))
+        delta = piece.delta
         if delta.content:
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""}, "text")

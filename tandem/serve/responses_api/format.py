@@ -13,9 +13,9 @@ from typing import Any
 
 from tandem.outputs import RequestOutput
 from tandem.serve.errors import error_type
-from tandem.serve.reasoning import ReasoningFormat, ReasoningParser
+from tandem.serve.reasoning import ReasoningFormat
+from tandem.serve.reply_parser import ReplyParser
 from tandem.serve.tool_calls.formats import ToolFormat
-from tandem.serve.tool_calls.parser import Delta, ToolCallParser
 
 
 def new_id(prefix: str) -> str:
@@ -57,8 +57,7 @@ class ItemStream:
 
     def __init__(self, shown: Shown) -> None:
         self.shown = shown
-        self.thinking = ReasoningParser(shown.reasoning, shown.reasoning_opened) if shown.reasoning else None
-        self.parser = ToolCallParser(shown.tools) if shown.tools is not None else None
+        self.reply = ReplyParser(shown.tools, shown.reasoning, shown.reasoning_opened)
         self.open: dict[str, Any] | None = None
 
     @property
@@ -67,19 +66,13 @@ class ItemStream:
 
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if self.thinking is not None:
-            split = self.thinking.feed(text)
-            if final:
-                split.extend(self.thinking.finish())
-            if split.reasoning:
-                if self.open is None or self.open["type"] != "reasoning":
-                    events += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [],
-                                         "content": [{"type": "reasoning_text", "text": ""}]})
-                events.append(self._text_delta("response.reasoning_text.delta", split.reasoning))
-            text = split.content
-        delta = Delta(text) if self.parser is None else self.parser.feed(text)
-        if final and self.parser is not None:
-            delta.extend(self.parser.finish())
+        piece = self.reply.feed(text, final)
+        if piece.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [],
+                                     "content": [{"type": "reasoning_text", "text": ""}]})
+            events.append(self._text_delta("response.reasoning_text.delta", piece.reasoning))
+        delta = piece.delta
         if delta.content:
             if self.open is None or self.open["type"] != "message":
                 events += self._add({"type": "message", "id": new_id("msg"), "status": "in_progress",
