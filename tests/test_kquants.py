@@ -20,12 +20,22 @@ import torch.nn.functional as F
 
 from tandem import SamplingParams
 from tandem.model import quant
-from tandem.model.block_formats import NATIVE_FORMATS, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, BlockFormat, torch_dequantize
+from tandem.model.block_formats import (
+    MXFP4,
+    NATIVE_FORMATS,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    BlockFormat,
+    torch_dequantize,
+)
 from tandem.model.linear import GGUFMethod, weight_bytes
 from tandem.model.quant import QuantizedWeight
 from tandem.ops import extension
 
-NEW_FORMATS = [Q5_0, Q4_K, Q5_K, Q6_K]
+NEW_FORMATS = [Q5_0, Q4_K, Q5_K, Q6_K, MXFP4]
 # Gemma 3 270M Q4_K_M served with int8 activations against its float32 dequantization, on 256 tokens
 # of tests/data/passages.txt, on a Zen 4 EPYC: perplexity 23.04 against 23.12 (-0.34%), mean KL 0.0048
 # nats (max 0.021), 2 of 234 top tokens changed where the float32 top two were 0.12 and 0.19 nats apart.
@@ -45,14 +55,18 @@ kernel = pytest.mark.skipif(not extension.extension_available(), reason="compile
 
 # Where each format keeps its fp16 scales (the rest of a block is quants and packed integer scales).
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208]}
+                "Q6_K": [208], "MXFP4": []}
 
 
 def random_weight(fmt: BlockFormat, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight,
                                                                                               torch.Tensor]:
-    """Random blocks (fp16 scales of either sign, a few zero) and gguf-py's dequantization of them."""
+    """Random blocks (fp16 scales of either sign, a few zero; MXFP4's E8M0 exponents around 2^-7, a few
+    subnormal) and gguf-py's dequantization of them."""
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (out_features, in_features // fmt.block_weights, fmt.block_bytes), dtype=np.uint8)
+    if fmt == MXFP4:
+        blocks[..., 0] = rng.integers(115, 128, blocks.shape[:2])
+        blocks[..., 0][rng.random(blocks.shape[:2]) < 0.02] = 1
     for offset in HALF_OFFSETS[fmt.name]:
         scales = rng.uniform(-0.02, 0.02, blocks.shape[:2]).astype(np.float16)
         scales[rng.random(scales.shape) < 0.02] = 0

@@ -3,7 +3,7 @@ from a tiny random Hugging Face model saved with the default model's tokenizer: 
 transformers' greedy tokens on the same weights through chunked prefill, paged decode and a prefix-cache
 hit. What each family reads from the file is its own: Llama 3's rope_freqs tensor, YaRN's metadata with qkv biases,
 Phi-3's fused tensors, longrope factors and partial rotary, SmolLM3's layers without RoPE, Granite's
-multipliers, OLMo 2's norms after attention and MLP."""
+multipliers, OLMo 2's norms after attention and MLP, gpt-oss's sinks, windows and experts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import torch
 from conftest import hf_greedy, random_hf_model
 from llama_cpp_converter import convert, converter_available, declare_gpt2_tokenizer
 from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -60,6 +62,14 @@ FAMILIES = {
         **SHAPE, **v, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.1,
         residual_multiplier=0.5, logits_scaling=4.0)),
     "olmo2": (Olmo2ForCausalLM, lambda v: Olmo2Config(**SHAPE, **v, tie_word_embeddings=False, pad_token_id=0)),
+    # Sinks, alternating sliding (8 keys) and global layers, YaRN without truncation (llama.cpp's file
+    # does not say so: the family's rule), experts and router with biases; float experts (the MXFP4
+    # ones are tests/test_gpt_oss.py's).
+    "gpt-oss": (GptOssForCausalLM, lambda v: GptOssConfig(
+        **{**SHAPE, "intermediate_size": 64}, **v, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32, "rope_theta": 150000.0})),
 }
 
 

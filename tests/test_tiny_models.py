@@ -1,6 +1,7 @@
 """Tiny random Llama (Llama 3's RoPE scaling too), Mistral (sliding window), Qwen2 (YaRN too), Qwen3,
 Gemma 3, Phi-3 (longrope; Phi-4-mini's partial rotary), SmolLM3 (layers without RoPE), Granite (its
-multipliers) and OLMo 2 (norms after attention and MLP) models built from configs: Tandem's logits match
+multipliers), OLMo 2 (norms after attention and MLP) and gpt-oss (sinks, alternating windows, its
+mixture of experts) models built from configs: Tandem's logits match
 transformers' within tolerance, through the packed prefill path and the paged decode path, on prompts
 longer than the sliding windows."""
 
@@ -15,6 +16,8 @@ from conftest import random_hf_model
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -88,12 +91,29 @@ CASES = {
                                                   attention_multiplier=0.1, residual_multiplier=0.5,
                                                   logits_scaling=4.0)),
     "olmo2": (Olmo2ForCausalLM, Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=0)),
+    # Sinks, sliding layers (window 8) alternating with global ones, YaRN without truncation, and a
+    # mixture of experts with biases whose clamped SwiGLU clamps (limit 0.5 against pre-activations of
+    # about 0.6).
+    "gpt-oss": (GptOssForCausalLM, GptOssConfig(
+        **{**COMMON, "intermediate_size": 32, "num_hidden_layers": 3}, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
+
+
+def _strong_sinks(name: str, p: torch.Tensor) -> None:
+    """Sink logits of either sign, large enough that some heads give most of their weight to the sink."""
+    if name.endswith("self_attn.sinks"):
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 2)
+
+
+ADJUST = {"gpt-oss": _strong_sinks}
 
 
 def build(kind: str, root: Path) -> tuple[Path, torch.nn.Module]:
     cls, cfg = CASES[kind]
-    return random_hf_model(cls, cfg, root / kind)
+    return random_hf_model(cls, cfg, root / kind, ADJUST.get(kind))
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
@@ -156,7 +176,7 @@ def test_logits_match_transformers(kind: str, kernels: str, tmp_path: Path, monk
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2-yarn", "qwen3", "mistral-window", "gemma3",
-                                  "phi3-longrope", "phi4-partial", "smollm3", "granite", "olmo2"])
+                                  "phi3-longrope", "phi4-partial", "smollm3", "granite", "olmo2", "gpt-oss"])
 def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     path, ref = build(kind, tmp_path)
     llm = make_llm(model=str(path), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16)
@@ -171,7 +191,7 @@ def test_engine_greedy_matches_transformers(kind: str, tmp_path: Path, make_llm)
             assert out.outputs[0].text == ""  # no tokenizer in the directory
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral-window"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral-window", "gpt-oss"])
 def test_sliding_window_with_prefix_caching(kind: str, tmp_path: Path, make_llm) -> None:  # noqa: ANN001
     """Prompts sharing a 25-token head (three windows of 8) come back from the prefix cache, in
     chunks of 6 tokens, and still generate what transformers generates: the cached blocks hold

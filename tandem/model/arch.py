@@ -58,6 +58,14 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+    moe_bias: bool = False  # the router and every expert projection have a bias (gpt-oss)
+    # > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/moe.py clamped_swiglu): gate
+    # clamped above and up on both sides at this limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    # A learned logit per query head that joins each softmax's denominator and attends to nothing
+    # (gpt-oss's attention sinks).
+    attn_sinks: bool = False
     # Expert slots this process holds (model/tensor_parallel.py: fewer than num_experts under expert
     # parallelism, plus spare slots for replicas of hot experts); 0: one slot per expert.
     expert_slots: int = 0
@@ -90,6 +98,16 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def layer_windows(layer_types: list[str] | None, num_layers: int, window: int, pattern: int) -> tuple[int, ...]:
+    """Each layer's window from a config's layer_types (sliding_attention | full_attention), or where it
+    names none, every pattern-th layer global and the rest sliding (Gemma 3: 6, gpt-oss: 2)."""
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")
+    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
 
 
 def token_ids(*values: Any) -> tuple[int, ...]:

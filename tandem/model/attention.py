@@ -229,9 +229,10 @@ def _from_grid(out: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for the new tokens; returns [T, H, D]. window > 0: each query
-    sees its last `window` keys (a sliding-window layer); softcap > 0: scores are soft-capped."""
+    sees its last `window` keys (a sliding-window layer); softcap > 0: scores are soft-capped; sinks
+    (float32 [H]): each head's sink logit joins its softmax's denominator (gpt-oss)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     # Both kernels write their rows of one output, so the halves are never concatenated.
@@ -239,7 +240,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decode_tokens
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                               out=out[:nd], window=window, softcap=softcap)
+                               out=out[:nd], window=window, softcap=softcap, sinks=sinks)
     if meta.num_prefills:
         qp = q[nd:]
         quantized = is_quantized(k_cache)
@@ -247,7 +248,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             # Prompt chunks are bound by FLOPs, not bytes: the blocks they read, dequantized once a layer.
             assert meta.prefill_blocks is not None, "an int8 pool needs compact_prefill_blocks metadata"
             k_cache, v_cache = (readable(c[meta.prefill_blocks], q.dtype) for c in (k_cache, v_cache))
-        if prefill_kernel_supports(qp, k_cache, v_cache):
+        if sinks is None and prefill_kernel_supports(qp, k_cache, v_cache):  # the prefill kernels have no sinks
             paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_seq_lens, scale, out=out[nd:], window=window, softcap=softcap)
         else:
@@ -258,13 +259,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             k_flat = k_cache.view(-1, num_kv_heads, head_dim)
             v_flat = v_cache.view(-1, num_kv_heads, head_dim)
             out[nd:] = _prefill_attention_torch(qp, kp, vp, k_flat, v_flat, meta.prefill_groups(), scale,
-                                                window, softcap)
+                                                window, softcap, sinks)
     return out
 
 
 def paged_attention_sampled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
-                            softcap: float = 0.0) -> torch.Tensor:
+                            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Like paged_attention, but the output holds only meta.sampled_rows: [S, H, D]. Every row's K/V
     goes into the pool; each sampled row attends as one query over keys [0, its position]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -272,12 +273,12 @@ def paged_attention_sampled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     if not len(meta.sampled_rows):
         return q.new_empty(0, *q.shape[1:])
     return paged_decode_attention(q[meta.sampled_rows], k_cache, v_cache, meta.sampled_block_tables,
-                                  meta.sampled_seq_lens, scale, window=window, softcap=softcap)
+                                  meta.sampled_seq_lens, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, k_flat: torch.Tensor,
                              v_flat: torch.Tensor, groups: list[PrefillGroup], scale: float, window: int,
-                             softcap: float) -> torch.Tensor:
+                             softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = qp.new_empty(qp.shape) if len(groups) > 1 else None
     for g in groups:  # one or two groups, whatever the number of requests
         qg = qp if g.tokens is None else qp[g.tokens]
@@ -289,7 +290,7 @@ def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tenso
                 mask = torch.ones(g.shape[1], g.shape[1], dtype=torch.bool, device=qp.device).tril()
                 mask &= ~mask.tril(-window)
             res = attention_math(_to_grid(qg, g), _to_grid(kg, g), _to_grid(vg, g), mask, scale, softcap,
-                                 is_causal=mask is None)
+                                 is_causal=mask is None, sinks=sinks)
         else:
             keys = k_flat[g.gather].transpose(1, 2)  # [B, KVH, L, D]
             values = v_flat[g.gather].transpose(1, 2)
@@ -297,7 +298,7 @@ def _prefill_attention_torch(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tenso
             if window > 0:
                 assert mask is not None and g.query_pos is not None
                 mask = mask & (torch.arange(mask.shape[-1], device=qp.device) > g.query_pos - window)
-            res = attention_math(_to_grid(qg, g), keys, values, mask, scale, softcap)
+            res = attention_math(_to_grid(qg, g), keys, values, mask, scale, softcap, sinks=sinks)
         res = _from_grid(res, g)
         if out is None:
             out = res

@@ -1,6 +1,6 @@
 """ggml's block formats that Tandem serves as stored, and their dequantization in PyTorch.
 
-A row of a weight is blocks along K: 32 weights each (Q4_0, Q4_1, Q5_0, Q8_0), or a K-quant
+A row of a weight is blocks along K: 32 weights each (Q4_0, Q4_1, Q5_0, Q8_0, MXFP4), or a K-quant
 super-block of 256 (Q4_K, Q5_K, Q6_K: eight sub-blocks of 32, each with its own scale). Every format
 reads the same way (as the kernels read it, tandem/ops/gguf_blocks.h): each group of weights is
 w = d * q + m with its own d and m (a block of 32, a sub-block, or Q6_K's 16 weights), q an integer
@@ -44,7 +44,8 @@ Q8_0 = BlockFormat("Q8_0", 8, 32, 34)
 Q4_K = BlockFormat("Q4_K", 12, 256, 144)
 Q5_K = BlockFormat("Q5_K", 13, 256, 176)
 Q6_K = BlockFormat("Q6_K", 14, 256, 210)
-NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)}
+MXFP4 = BlockFormat("MXFP4", 39, 32, 17)  # an E8M0 exponent and 32 E2M1 codes (gpt-oss's experts)
+NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)}
 
 
 def native_format(ggml_type: int) -> BlockFormat | None:
@@ -109,6 +110,17 @@ def _decode_q8_0(b: torch.Tensor) -> Decoded:
     return b[:, 2:].contiguous().view(torch.int8), d, torch.zeros_like(d)
 
 
+# E2M1's values doubled, so that they are integers (ggml's kvalues_mxfp4); the scale is halved to match.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _decode_mxfp4(b: torch.Tensor) -> Decoded:
+    codes = _nibbles(b[:, 1:], 16).long()
+    q = torch.tensor(MXFP4_VALUES, dtype=torch.int8, device=b.device)[codes]
+    d = torch.ldexp(torch.ones(b.shape[0], 1, device=b.device), b[:, :1].to(torch.int32) - 128)  # 2^(e - 128)
+    return q, d, torch.zeros_like(d)
+
+
 def _decode_q4_k(b: torch.Tensor) -> Decoded:
     d, m = _k_scales(b)
     return _nibbles(b[:, 16:], 32), d, m
@@ -127,7 +139,7 @@ def _decode_q6_k(b: torch.Tensor) -> Decoded:
 
 _DECODERS: dict[BlockFormat, Callable[[torch.Tensor], Decoded]] = {
     Q4_0: _decode_q4_0, Q4_1: _decode_q4_1, Q5_0: _decode_q5_0, Q8_0: _decode_q8_0,
-    Q4_K: _decode_q4_k, Q5_K: _decode_q5_k, Q6_K: _decode_q6_k,
+    Q4_K: _decode_q4_k, Q5_K: _decode_q5_k, Q6_K: _decode_q6_k, MXFP4: _decode_mxfp4,
 }
 
 

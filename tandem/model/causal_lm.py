@@ -128,6 +128,13 @@ class CausalLM(nn.Module):
             parts[f"{pre}mlp.down_proj"] = [f"{pre}mlp.down_proj.weight"]
         return parts
 
+    @staticmethod
+    def expert_parts(cfg: ArchConfig) -> dict[str, list[str]]:
+        """Each mixture-of-experts layer's expert stacks (model/moe.py's w13, w2) -> the per-expert
+        checkpoint tensors they hold, so the loader plans how they are held as it does a linear's
+        (none for a dense model)."""
+        return {}
+
     def load_weights(self, weights: Mapping[str, Weight]) -> None:
         """Take HF-named tensors (q/k/v and gate/up separate; dense or quantized) into this layout."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.model.arch import ArchConfig, gguf_end_tokens, token_ids
+from tandem.model.arch import ArchConfig, gguf_end_tokens, layer_windows, token_ids
 from tandem.model.attention import AttentionMetadata
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -97,14 +97,6 @@ class Gemma3ForCausalLM(CausalLM):
 
 # -- configuration ------------------------------------------------------------------------------
 
-def _layer_windows(layer_types: list[str] | None, num_layers: int, window: int, pattern: int) -> tuple[int, ...]:
-    if layer_types is None:
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")
-    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
-
-
 def _rope(params: dict[str, Any], theta: float) -> tuple[float, float]:
     """(base, linear factor) of one rotary table; only default and linear RoPE are implemented."""
     kind = params.get("rope_type", params.get("type", "default"))
@@ -135,7 +127,7 @@ def arch_from_hf_config(cfg: dict[str, Any], context: int | None = None) -> Arch
         max_position_embeddings=cfg.get("max_position_embeddings", 131072),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True), qkv_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=True, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=token_ids(eos),
-        layer_windows=_layer_windows(cfg.get("layer_types"), layers, int(cfg.get("sliding_window") or 4096),
+        layer_windows=layer_windows(cfg.get("layer_types"), layers, int(cfg.get("sliding_window") or 4096),
                                      int(cfg.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN)),
         rope_local_theta=local, rope_scaling_factor=factor,
         attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
@@ -170,7 +162,7 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
         max_position_embeddings=int(get("context_length", 131072)), tie_word_embeddings=not has_output_weight,
         qkv_bias=has_qkv_bias, qk_norm=True, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=gguf_end_tokens(meta),
-        layer_windows=_layer_windows(None, layers, int(get("attention.sliding_window")), SLIDING_WINDOW_PATTERN),
+        layer_windows=layer_windows(None, layers, int(get("attention.sliding_window")), SLIDING_WINDOW_PATTERN),
         rope_local_theta=10_000.0, rope_scaling_factor=factor, attn_scale=scalar ** -0.5,
         final_softcap=float(meta.get("gemma3.final_logit_softcapping") or 0.0),
         hidden_act="gelu_pytorch_tanh", embed_scale=math.sqrt(hidden),

@@ -35,6 +35,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, methods.get(f"{prefix}o_proj", DENSE))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # gpt-oss: each head's sink logit, float32 as the kernels' softmax is
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D], normed where the family norms them, not yet rotated."""
@@ -53,7 +55,7 @@ class LlamaAttention(nn.Module):
         if self.rotates:
             q, k = fused.rotary(q, k, cos, sin)
         attend = paged_attention_sampled if sampled_only else paged_attention
-        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

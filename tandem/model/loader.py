@@ -103,8 +103,9 @@ def _read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:
 
 def load_gguf_weights(path: Path, keep_quantized: bool = False, context: int | None = None,
                       dense_dtype: torch.dtype = torch.float32) -> tuple[ArchConfig, dict[str, Weight]]:
-    """keep_quantized: matrices in a format served as stored (block_formats.NATIVE_FORMATS: Q4_0, Q4_1,
-    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks (QuantizedWeight); everything else, and
+    """keep_quantized: matrices (and stacks of experts' matrices) in a format served as stored
+    (block_formats.NATIVE_FORMATS: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) stay in their blocks
+    (QuantizedWeight); everything else, and
     everything when False, is dequantized, matrices to dense_dtype one at a time (the dtype the model
     holds them in: a bf16 model never holds every matrix in float32 at once, which a 3.8B file's
     15 GB would not survive on a 24 GB machine), the rest to float32. context: the deployment's, for
@@ -134,7 +135,7 @@ def load_gguf_weights(path: Path, keep_quantized: bool = False, context: int | N
                 continue
             # Native formats go through the blocks either way: their dequantization (kernel or torch,
             # both equal to gguf-py's) is ~10x faster than gguf-py's numpy for the formats it has.
-            fmt = native_format(t.tensor_type) if len(t.data.shape) == 2 else None
+            fmt = native_format(t.tensor_type) if len(t.data.shape) in (2, 3) else None  # 3: a stack of experts
             try:  # quantized rows come as uint8 [rows, blocks * block bytes]: row permutations apply to them
                 array = t.data if fmt is not None else gguf.quants.dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError) as e:
@@ -233,10 +234,11 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def gguf_dense_bytes(path: Path, dtype: torch.dtype) -> int:
-    """The bytes a GGUF file's matrices take dequantized to dtype (from its cached index)."""
+    """The bytes a GGUF file's matrices (and stacks of experts' matrices) take dequantized to dtype (from
+    its cached index)."""
     tensors, _ = _read_gguf(path)
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(int(np.prod(t.shape, dtype=np.int64)) * size for t in tensors if len(t.shape) == 2)
+    return sum(int(np.prod(t.shape, dtype=np.int64)) * size for t in tensors if len(t.shape) >= 2)
 
 
 def materialize(net: torch.nn.Module, device: str | torch.device) -> None:
@@ -295,8 +297,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     local = arch
     if shard is not None and shard.size > 1:
         weights, local = shard_weights(weights, arch, shard), shard_arch(arch, shard)
-    methods = plan_linear_methods(cls.weight_parts(local), weights, dtype, torch.device(device),
-                                  int8_activations=quantization == "gguf-q8")
+    methods = plan_linear_methods({**cls.weight_parts(local), **cls.expert_parts(local)}, weights, dtype,
+                                  torch.device(device), int8_activations=quantization == "gguf-q8")
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
         net = cls(local, dtype, methods)

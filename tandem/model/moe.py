@@ -16,6 +16,7 @@ the stream goes on with the next step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import nn
 
 from tandem.model.arch import ArchConfig
 from tandem.model.eplb import initial_placement, rank_loads, rebalance, replica_table
+from tandem.model.linear import DENSE, GGUFMethod, LinearMethod
+from tandem.model.quant import QuantizedWeight, quantized_linear
 from tandem.model.tensor_parallel import split_range
 from tandem.ops import fused
 
@@ -54,22 +57,41 @@ def spread(loads: list[float]) -> float:
 
 
 class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if bias else None
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation over [gate | up] halves: the gate clamped above at limit, up on
+    both sides, then (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, method13: LinearMethod = DENSE,
+                 method2: LinearMethod = DENSE) -> None:
+        """method13, method2: how the gate/up and down stacks are held, as a Linear's method says
+        (GGUFMethod: the file's blocks, [slots, rows, row bytes] uint8; dense otherwise)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.slots, self.intermediate = cfg.num_expert_slots, cfg.moe_intermediate_size
-        hidden = cfg.hidden_size
-        self.gate = Router(hidden, cfg.num_experts, dtype)
-        # Slot s: w13[s] = [gate; up] rows, w2[s] = down ([hidden, intermediate]).
-        w13 = torch.empty(self.slots, 2 * self.intermediate, hidden, dtype=dtype)
-        self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.slots, hidden, self.intermediate, dtype=dtype), requires_grad=False)
+        self.hidden = hidden = cfg.hidden_size
+        self.gate = Router(hidden, cfg.num_experts, dtype, cfg.moe_bias)
+        self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        # Slot s: w13[s] = [gate; up] rows, w2[s] = down ([hidden, intermediate]); b13, b2 their biases.
+        self.method13, self.method2 = method13, method2
+        self.w13 = self._stack(method13, 2 * self.intermediate, hidden, dtype)
+        self.w2 = self._stack(method2, hidden, self.intermediate, dtype)
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if cfg.moe_bias:
+            self.b13 = nn.Parameter(torch.empty(self.slots, 2 * self.intermediate, dtype=dtype), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(self.slots, hidden, dtype=dtype), requires_grad=False)
         self.comm: Any | None = None
         self.ranks, self.rank, self.reduce_out = 1, 0, False
         self.spare, self.interval = 0, 64
@@ -79,6 +101,19 @@ class SparseMoE(nn.Module):
         self.calls = 0
         self.load = ExpertLoad()  # the last finished window's
         self.rebalances = 0
+
+    def _stack(self, method: LinearMethod, rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+        if isinstance(method, GGUFMethod):
+            return nn.Parameter(torch.empty(self.slots, rows, method.fmt.row_bytes(cols), dtype=torch.uint8),
+                                requires_grad=False)
+        return nn.Parameter(torch.empty(self.slots, rows, cols, dtype=dtype), requires_grad=False)
+
+    def _project(self, x: torch.Tensor, stack: torch.Tensor, method: LinearMethod, slot: int, in_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(method, GGUFMethod):
+            return quantized_linear(x, QuantizedWeight(stack[slot], method.fmt, in_features),
+                                    None if bias is None else bias[slot], method.int8_activations)
+        return F.linear(x, stack[slot], None if bias is None else bias[slot])
 
     def join_group(self, comm: Any, shard: Any) -> None:
         self.comm = comm
@@ -97,7 +132,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k]): softmax in float32, top-k, optionally
         renormalised (transformers' Qwen3-MoE router)."""
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        probs = torch.softmax(F.linear(x, self.gate.weight, self.gate.bias).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -115,10 +150,15 @@ class SparseMoE(nn.Module):
             if not n:
                 continue
             rows = order[start:start + n]
-            h = fused.silu_and_mul(F.linear(x[rows], self.w13[slot]))
-            out[rows] = F.linear(h, self.w2[slot])
+            h = self._project(x[rows], self.w13, self.method13, slot, self.hidden, self.b13)
+            h = clamped_swiglu(h, self.swiglu_limit, self.swiglu_alpha) if self.swiglu_limit else fused.silu_and_mul(h)
+            out[rows] = self._project(h, self.w2, self.method2, slot, self.intermediate, self.b2)
             start += n
         return out
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Everything a slot holds, [slots, ...] each: what moves with an expert."""
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ranks > 1:
@@ -185,33 +225,41 @@ class SparseMoE(nn.Module):
 
     def _move_to(self, placement: list[int]) -> None:
         """Load every slot of this rank with its new expert: from a slot it holds already, or from the
-        lowest rank holding it now (one all-to-all of whole experts' weights)."""
+        lowest rank holding it now (one all-to-all of whole experts' weights and biases)."""
         n, slots, old = self.ranks, self.slots, self.placement
         held = [set(old[r * slots:(r + 1) * slots]) for r in range(n)]
         source = {e: min(r for r in range(n) if e in held[r]) for e in range(self.num_experts)}
         local = {e: j for j, e in enumerate(old[self.rank * slots:(self.rank + 1) * slots]) if e >= 0}
-        width = self.w13[0].numel() + self.w2[0].numel()
+        tensors = self.slot_tensors()
+        sizes = [t[0].numel() for t in tensors]
+        width = sum(sizes)
+        # One dtype on the wire that holds every part exactly (blocks' bytes beside bf16 biases: bf16).
+        wire = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
 
         def needs(d: int, src: int) -> list[int]:  # experts rank d takes from src, in d's slot order
             return [e for e in placement[d * slots:(d + 1) * slots] if e >= 0 and e not in held[d] and source[e] == src]
 
-        sends = [torch.cat([torch.cat([self.w13[local[e]].reshape(-1), self.w2[local[e]].reshape(-1)]).view(1, -1)
-                            for e in needs(d, self.rank)]) if needs(d, self.rank) else self.w13.new_empty(0, width)
-                 for d in range(n)]
-        largest = max(len(needs(d, s)) for d in range(n) for s in range(n)) * width * self.w13.element_size()
+        def flat(e: int) -> torch.Tensor:
+            return torch.cat([t[local[e]].reshape(-1).to(wire) for t in tensors]).view(1, -1)
+
+        sends = [torch.cat([flat(e) for e in needs(d, self.rank)]) if needs(d, self.rank)
+                 else self.w13.new_empty(0, width, dtype=wire) for d in range(n)]
+        size = torch.empty(0, dtype=wire).element_size()
+        largest = max(len(needs(d, s)) for d in range(n) for s in range(n)) * width * size
         received = self.comm.all_to_all(sends, large=largest * n > self.comm.slot_bytes)
         taken = [0] * n
-        w13, w2 = torch.zeros_like(self.w13), torch.zeros_like(self.w2)
-        split = self.w13[0].numel()
+        fresh = [torch.zeros_like(t) for t in tensors]
         for j, e in enumerate(placement[self.rank * slots:(self.rank + 1) * slots]):
             if e < 0:
                 continue
             if e in local:
-                w13[j], w2[j] = self.w13[local[e]], self.w2[local[e]]
+                for new, t in zip(fresh, tensors, strict=True):
+                    new[j] = t[local[e]]
                 continue
             row = received[source[e]][taken[source[e]]]
             taken[source[e]] += 1
-            w13[j] = row[:split].view_as(w13[j])
-            w2[j] = row[split:].view_as(w2[j])
-        self.w13.data, self.w2.data = w13, w2
+            for new, part in zip(fresh, row.split(sizes), strict=True):
+                new[j] = part.view_as(new[j])
+        for t, new in zip(tensors, fresh, strict=True):
+            t.data = new
         self._place(placement)

@@ -41,7 +41,8 @@ X_BLOCK = 32  # the int8 activations' block
 
 @dataclass
 class QuantizedWeight:
-    """A [out_features, in_features] weight as rows of ggml blocks: data is uint8 [out, blocks * block_bytes]."""
+    """A [out_features, in_features] weight as rows of ggml blocks: data is uint8 [out, blocks * block_bytes];
+    or a stack of experts' weights, [experts, out, row bytes] (model/qwen3_moe.py splits it by expert)."""
 
     data: torch.Tensor
     fmt: BlockFormat
@@ -60,7 +61,13 @@ class QuantizedWeight:
         return self.out_features, self.in_features
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.fmt, self.in_features)
+        """float32 [out, in] (a stack: [experts, out, in])."""
+        rows = dequantize(self.data.reshape(-1, self.data.shape[-1]), self.fmt, self.in_features)
+        return rows.view(*self.data.shape[:-1], self.in_features)
+
+    def unstack(self) -> list[QuantizedWeight]:
+        """A stack's weights, one an expert (views)."""
+        return [QuantizedWeight(part, self.fmt, self.in_features) for part in self.data]
 
 
 def slice_weight(w: QuantizedWeight, rows: tuple[int, int] | None = None,

@@ -19,9 +19,10 @@ from tandem.model import arch as llama_arch
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP
-from tandem.model.linear import Weight, dense
+from tandem.model.linear import DENSE, GGUFMethod, Weight, dense
 from tandem.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tandem.model.moe import SparseMoE
+from tandem.model.quant import QuantizedWeight
 
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 GGUF_ARCHITECTURE = "qwen3moe"
@@ -56,28 +57,41 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
 
 GGUF_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
-_STACKED = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
 def per_expert(weights: dict[str, Weight], arch: ArchConfig) -> dict[str, Weight]:
-    """Stacked expert tensors ([experts, out, in]) as one tensor per expert, as HF names them (arch:
-    unused, each stack knows its experts)."""
+    """Stacked expert tensors ([experts, out, in], biases [experts, out]) as one tensor per expert, as
+    HF names them (arch: unused, each stack knows its experts)."""
     out: dict[str, Weight] = {}
     for name, w in weights.items():
         m = _STACKED.match(name)
         if m is None:
             out[name] = w
             continue
-        for e, part in enumerate(dense(w)):
-            out[f"layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}.weight"] = part
+        parts = w.unstack() if isinstance(w, QuantizedWeight) else list(w)
+        for e, part in enumerate(parts):
+            out[f"layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}.{m.group(3)}"] = part
     return out
+
+
+def _held(join: Any, parts: list[Weight], method: Any) -> torch.Tensor:
+    """Parts joined as a slot holds them: their blocks where the slot is held as stored (GGUFMethod),
+    else dense."""
+    if isinstance(method, GGUFMethod):
+        if not all(isinstance(p, QuantizedWeight) and p.fmt == method.fmt for p in parts):
+            raise ValueError(f"experts held as {method.fmt.name} got other weights")
+        return join([p.data for p in parts])  # type: ignore[union-attr]
+    return join([dense(p) for p in parts])
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, layer: int) -> None:
         super().__init__(cfg, dtype, methods, layer)
         if cfg.is_sparse(layer):
-            self.mlp: GatedMLP | SparseMoE = SparseMoE(cfg, dtype)
+            pre = f"layers.{layer}.mlp.experts."
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(cfg, dtype, methods.get(f"{pre}w13", DENSE),
+                                                       methods.get(f"{pre}w2", DENSE))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -90,22 +104,39 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             del parts[f"layers.{i}.mlp.gate_up_proj"], parts[f"layers.{i}.mlp.down_proj"]
         return parts
 
+    @staticmethod
+    def expert_parts(cfg: ArchConfig) -> dict[str, list[str]]:
+        parts = {}
+        for i in cfg.sparse_layers:
+            pre = f"layers.{i}.mlp.experts."
+            slots = range(cfg.num_expert_slots)
+            parts[f"{pre}w13"] = [f"{pre}{j}.{p}_proj.weight" for j in slots for p in ("gate", "up")]
+            parts[f"{pre}w2"] = [f"{pre}{j}.down_proj.weight" for j in slots]
+        return parts
+
     def load_weights(self, weights: Mapping[str, Weight]) -> None:
         """Experts into slots: slot j is expert j of the checkpoint as this process sees it (its own
-        experts, renumbered, under expert parallelism); spare slots start empty."""
+        experts, renumbered, under expert parallelism); spare slots start empty. Biases (gpt-oss) go
+        into their slots the same way."""
         weights = {k.removeprefix("model."): v for k, v in weights.items()}
         for i in self.cfg.sparse_layers:
             moe = self.layers[i].mlp
             pre = f"layers.{i}.mlp.experts."
-            w13 = torch.zeros_like(moe.w13)
-            w2 = torch.zeros_like(moe.w2)
+            slots = {"w13": torch.zeros_like(moe.w13), "w2": torch.zeros_like(moe.w2)}
+            if moe.b13 is not None and moe.b2 is not None:
+                slots |= {"b13": torch.zeros_like(moe.b13), "b2": torch.zeros_like(moe.b2)}
             for j in range(moe.slots):
-                names = [f"{pre}{j}.{p}_proj.weight" for p in ("gate", "up", "down")]
-                if names[0] not in weights:
-                    continue
-                gate, up, down = (dense(weights.pop(n)) for n in names)
-                w13[j] = torch.cat([gate, up])
-                w2[j] = down
-            weights[f"{pre.removesuffix('experts.')}w13"] = w13
-            weights[f"{pre.removesuffix('experts.')}w2"] = w2
+                for kind in ("weight", "bias") if "b13" in slots else ("weight",):
+                    names = [f"{pre}{j}.{p}_proj.{kind}" for p in ("gate", "up", "down")]
+                    if names[0] not in weights:
+                        continue
+                    gate, up, down = (weights.pop(n) for n in names)
+                    if kind == "weight":
+                        slots["w13"][j] = _held(torch.cat, [gate, up], moe.method13)
+                        slots["w2"][j] = _held(lambda t: t[0], [down], moe.method2)
+                    else:
+                        slots["b13"][j] = torch.cat([dense(gate), dense(up)])
+                        slots["b2"][j] = dense(down)
+            for name, t in slots.items():
+                weights[f"{pre.removesuffix('experts.')}{name}"] = t
         super().load_weights(weights)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tandem.model import arch as llama_arch
-from tandem.model import gemma3, granite, olmo2, phi3, qwen3_moe, smollm3
+from tandem.model import gemma3, gpt_oss, granite, olmo2, phi3, qwen3_moe, smollm3
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM
 from tandem.model.gemma3 import Gemma3ForCausalLM
@@ -70,6 +70,9 @@ FAMILIES = (
     ModelFamily("granite", LlamaForCausalLM, granite.HF_ARCHITECTURES, (granite.GGUF_ARCHITECTURE,),
                 granite.arch_from_hf_config, granite.arch_from_gguf_metadata,
                 gguf_rope_permuted=(granite.GGUF_ARCHITECTURE,)),
+    ModelFamily("gpt-oss", Qwen3MoeForCausalLM, gpt_oss.HF_ARCHITECTURES, (gpt_oss.GGUF_ARCHITECTURE,),
+                gpt_oss.arch_from_hf_config, gpt_oss.arch_from_gguf_metadata, gguf_layer_names=gpt_oss.GGUF_LAYER_NAMES,
+                prepare_weights=gpt_oss.prepare_weights),
     ModelFamily("olmo2", Olmo2ForCausalLM, olmo2.HF_ARCHITECTURES, (olmo2.GGUF_ARCHITECTURE,),
                 olmo2.arch_from_hf_config, olmo2.arch_from_gguf_metadata, gguf_layer_names=olmo2.GGUF_LAYER_NAMES),
 )

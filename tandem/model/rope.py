@@ -151,12 +151,14 @@ def rope_from_hf(cfg: dict[str, Any], head_dim: int, context: int | None = None)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
 
 
-def rope_from_gguf(meta: dict[str, Any], arch: str, head_dim: int, max_position: int) -> Rope:
+def rope_from_gguf(meta: dict[str, Any], arch: str, head_dim: int, max_position: int,
+                   yarn_truncate: bool = True) -> Rope:
     """A GGUF file's RoPE from its `<arch>.rope.*` metadata, as llama.cpp's converter writes a config's
     scaling (`rope.scaling.type` linear or yarn, `.factor`, `.original_context_length`, `.attn_factor`,
     `.yarn_beta_fast` / `.yarn_beta_slow`; `rope.dimension_count` narrower than a head: partial rotary);
     Llama 3's comes as the rope_freqs tensor, longrope's as rope_factors_long / _short (loader.py,
-    gguf_longrope)."""
+    gguf_longrope). yarn_truncate: whether YaRN's ramp ends are rounded to whole pairs, which GGUF
+    does not record (transformers' `truncate`; gpt-oss was trained without it)."""
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
     rotary_dim = dim if dim < head_dim else 0
@@ -170,7 +172,7 @@ def rope_from_gguf(meta: dict[str, Any], arch: str, head_dim: int, max_position:
     if kind == "yarn":
         params = {"factor": factor, "original_max_position_embeddings": meta.get(key + "original_context_length"),
                   "attention_factor": meta.get(key + "attn_factor"), "beta_fast": meta.get(key + "yarn_beta_fast"),
-                  "beta_slow": meta.get(key + "yarn_beta_slow")}
+                  "beta_slow": meta.get(key + "yarn_beta_slow"), "truncate": yarn_truncate}
         factors, attention = yarn(dim, theta, params, max_position)
         return Rope(theta, freq_factors=factors, attention_factor=attention, rotary_dim=rotary_dim)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")

@@ -117,7 +117,7 @@ def _cols(w: Weight, c: tuple[int, int]) -> Weight:
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
 def shard_weights(weights: dict[str, Weight], arch: ArchConfig, shard: Shard) -> dict[str, Weight]:
@@ -145,12 +145,14 @@ def shard_weights(weights: dict[str, Weight], arch: ArchConfig, shard: Shard) ->
         rest = m.group(2)
         expert = _EXPERT.match(rest)
         if expert is not None:
-            e, kind = int(expert.group(1)), expert.group(2)
+            e, kind, part = int(expert.group(1)), expert.group(2), expert.group(3)
             if not e0 <= e < e1:
                 continue
             if shard.splits_experts:
+                if part == "bias":  # each rank would add down's bias to its partial sum
+                    raise ValueError("experts with biases split over ranks are not supported: use expert parallelism")
                 w = _cols(w, moe) if kind == "down_proj" else weight_rows(w, *moe)
-            out[f"layers.{m.group(1)}.mlp.experts.{e - e0}.{kind}.weight"] = w
+            out[f"layers.{m.group(1)}.mlp.experts.{e - e0}.{kind}.{part}"] = w
             continue
         if shard.splits_layers:
             module, _, kind = rest.rpartition(".")

@@ -1,6 +1,6 @@
 // GGUF's block-quantized weight layouts as the kernels read them, shared by the float- and
 // int8-activation kernels: one row of blocks per output column, a block holding 32 weights along K
-// (Q4_0, Q4_1, Q5_0, Q8_0) or a 256-weight K-quant super-block (Q4_K, Q5_K, Q6_K) of eight
+// (Q4_0, Q4_1, Q5_0, Q8_0, MXFP4) or a 256-weight K-quant super-block (Q4_K, Q5_K, Q6_K) of eight
 // sub-blocks of 32.
 //
 // The kernels see every format the same way: a block is chunks of 32 weights (one, or eight), and
@@ -38,7 +38,10 @@ namespace gguf {
 constexpr int64_t kChunk = 32;  // weights decoded at a time; also the int8 activations' block
 constexpr int64_t kPrefetchTiles = TANDEM_PREFETCH_TILES;
 // ggml type ids.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39;
+// MXFP4 (OCP microscaling, gpt-oss's experts): a 4-bit E2M1 code per weight, its value doubled so that
+// it is an integer (ggml's kvalues_mxfp4), and an E8M0 scale per block, halved to match.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 template <int64_t QT>
 constexpr int64_t kBlockWeights = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K ? 256 : 32;
@@ -47,13 +50,14 @@ constexpr int64_t kBlockBytes = QT == kQ4_0   ? 18   // fp16 d, 16 bytes of nibb
                                 : QT == kQ4_1 ? 20   // fp16 d, fp16 m, 16 bytes of nibbles
                                 : QT == kQ5_0 ? 22   // fp16 d, 32 high bits, 16 bytes of nibbles
                                 : QT == kQ8_0 ? 34   // fp16 d, 32 int8
+                                : QT == kMXFP4 ? 17  // E8M0 exponent, 16 bytes of nibbles
                                 : QT == kQ4_K ? 144  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
                                 : QT == kQ5_K ? 176  // as Q4_K, and 32 bytes of high bits before the nibbles
                                               : 210;  // Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
 template <int64_t QT>
 constexpr int64_t kChunks = kBlockWeights<QT> / kChunk;
 template <int64_t QT>
-constexpr bool kSignedQuants = QT == kQ8_0 || QT == kQ6_K;
+constexpr bool kSignedQuants = QT == kQ8_0 || QT == kQ6_K || QT == kMXFP4;
 template <int64_t QT>
 constexpr bool kHalfScales = QT == kQ6_K;  // a scale per 16 weights, not per 32
 
@@ -68,6 +72,7 @@ auto with_format(int64_t qtype, const char* op, F&& f) {
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
     default: TORCH_CHECK(false, op, ": unsupported ggml type ", qtype);
   }
 }
@@ -80,6 +85,15 @@ inline float half_at(const uint8_t* p) {
 #else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
+}
+
+// An E8M0 exponent as 2^(e - 128): the block's scale halved, as the doubled codes need (exact in float32,
+// a subnormal for e < 2; ggml's GGML_E8M0_TO_FP32_HALF).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // A block's scales: w = d[c][h] * q + m[c][h] for half h (weights 16h to 16h + 15) of chunk c.
@@ -132,6 +146,9 @@ inline Scales<QT> block_scales(const uint8_t* b) {
         s.d[c][h] = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * c + h]));
         s.m[c][h] = 0.0f;
       }
+  } else if constexpr (QT == kMXFP4) {
+    s.d[0][0] = s.d[0][1] = e8m0_half(b[0]);
+    s.m[0][0] = s.m[0][1] = 0.0f;
   } else {
     const float d = half_at(b);
     // Q4_0 and Q5_0 centre their quants (q - 8, q - 16) as an offset, exact in float32.
@@ -150,6 +167,7 @@ inline int32_t chunk_quant(const uint8_t* b, int c, int64_t k) {
   const auto nibble16 = [&](const uint8_t* qs) { return k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4); };
   if constexpr (QT == kQ4_0) return nibble16(b + 2);
   if constexpr (QT == kQ4_1) return nibble16(b + 4);
+  if constexpr (QT == kMXFP4) return kMxfp4Values[nibble16(b + 1)];
   if constexpr (QT == kQ5_0) {
     uint32_t high;
     std::memcpy(&high, b + 2, 4);
@@ -195,6 +213,10 @@ inline __m256i chunk_quants(const uint8_t* b, int c) {
   if constexpr (QT == kQ8_0) return load32(b + 2);
   if constexpr (QT == kQ4_0) return nibbles16(b + 2);
   if constexpr (QT == kQ4_1) return nibbles16(b + 4);
+  if constexpr (QT == kMXFP4) {  // each code looked up in the table (both lanes hold it)
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+    return _mm256_shuffle_epi8(table, nibbles16(b + 1));
+  }
   if constexpr (QT == kQ5_0) return _mm256_or_si256(nibbles16(b + 6), high_bits32(b + 2));
   if constexpr (QT == kQ4_K) return shifted_bits(load32(b + 16 + 32 * (c / 2)), 4 * (c % 2), 0x0F);
   if constexpr (QT == kQ5_K) {

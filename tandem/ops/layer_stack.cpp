@@ -47,7 +47,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const at::Tensor& slot_mapping);
 at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                       int64_t window, double softcap, at::Tensor& out);
+                                       int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                                       at::Tensor& out);
 at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& query_start,
                                         const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
@@ -248,14 +249,14 @@ class LayerStack : public torch::CustomClassHolder {
         const at::Tensor qs = q.index_select(0, sampled_rows);
         attn = at::empty(qs.sizes(), qs.options());
         paged_decode_attention_out(qs, k_cache, v_cache, sampled_block_tables, sampled_seq_lens, scale_, L.window,
-                                   0.0, attn);
+                                   0.0, std::nullopt, attn);
         residual = residual.index_select(0, sampled_rows);
       } else {
         attn = at::empty({T, H_, D_}, q.options());
         if (num_decodes > 0) {
           at::Tensor out = attn.narrow(0, 0, num_decodes);
           paged_decode_attention_out(q.narrow(0, 0, num_decodes), k_cache, v_cache, decode_block_tables,
-                                     decode_seq_lens, scale_, L.window, 0.0, out);
+                                     decode_seq_lens, scale_, L.window, 0.0, std::nullopt, out);
         }
         if (num_prefills > 0) {
           at::Tensor out = attn.narrow(0, num_decodes, T - num_decodes);

@@ -77,10 +77,25 @@ struct Params {
   float scale;
   int64_t window;  // > 0: each query sees its last `window` keys only (sliding-window layers)
   float softcap;   // > 0: scores become softcap * tanh(score / softcap) before the softmax
+  const float* sinks;  // [H] or null: each head's sink logit joins the softmax's denominator (gpt-oss)
   float* part_m;    // [slots, H]
   float* part_l;    // [slots, H]
   float* part_acc;  // [slots, H, D]
 };
+
+// The factor that turns a head's accumulator into its output: 1 / the softmax's denominator, where
+// l sums exp(score - m) over the keys and a sink logit s (gpt-oss) adds exp(s - m) to it; written so
+// that nothing overflows when the sink dwarfs every score. No keys (l == 0): zeros.
+inline float output_scale(float m, float l, const float* sinks, int64_t h) {
+  if (l <= 0.0f) return 0.0f;
+  if (sinks == nullptr) return 1.0f / l;
+  const float s = sinks[h];
+  if (s > m) {
+    const float a = std::exp(m - s);
+    return a / (l * a + 1.0f);
+  }
+  return 1.0f / (l + std::exp(s - m));
+}
 
 // =============================================================================================
 // Work items
@@ -187,7 +202,7 @@ void run_item(const Params& P, const Item& it, Scratch<KV>& S) {
   if (it.slot < 0) {
     T* out = static_cast<T*>(P.out) + (static_cast<int64_t>(it.seq) * P.heads + h0) * D;
     for (int64_t h = 0; h < nh; ++h) {
-      const float inv = S.l[h] > 0.0f ? 1.0f / S.l[h] : 0.0f;
+      const float inv = output_scale(S.m[h], S.l[h], P.sinks, h0 + h);
       for (int64_t i = 0; i < D; ++i) out[h * D + i] = static_cast<T>(S.acc[h * AS + i] * inv);
     }
   } else {
@@ -221,7 +236,7 @@ void merge_parts(const Params& P, const Split& sp) {
       const float* a = P.part_acc + row * D;
       for (int64_t i = 0; i < D; ++i) acc[i] += a[i] * w;
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = output_scale(m, l, P.sinks, h);
     T* out = static_cast<T*>(P.out) + (static_cast<int64_t>(sp.seq) * P.heads + h) * D;
     for (int64_t i = 0; i < D; ++i) out[i] = static_cast<T>(acc[i] * inv);
   }
@@ -333,8 +348,13 @@ void run(Params& P, int64_t n_seqs, int64_t num_blocks) {
 // q may be a strided view (token rows of a fused qkv projection) as long as each row's heads are packed.
 at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                       int64_t window, double softcap, at::Tensor& out) {
+                                       int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                                       at::Tensor& out) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode_attention: q must be [N, H, D]");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == q_in.size(1),
+                "paged_decode_attention: sinks must be contiguous float32 [H]");
   const int64_t N = q_in.size(0);
   check_attention_inputs(q_in, k_cache, v_cache, block_tables, N, out, "paged_decode_attention",
                          /*int8_rows_ok=*/true);
@@ -347,6 +367,7 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
   const at::Tensor sl = seq_lens.contiguous();
   Params P{};
   fill_common_params(P, q, out, k_cache, v_cache, bt, sl, scale, window, softcap);
+  P.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
 
   const bool int8_rows = k_cache.scalar_type() == at::kChar;
   if (q.scalar_type() == at::kFloat) {
@@ -361,10 +382,10 @@ at::Tensor& paged_decode_attention_out(const at::Tensor& q_in, const at::Tensor&
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window, double softcap) {
+                                  int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3, "q must be [N, H, D]");
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  return paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
+  return paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks, out);
 }
 
 // Which code path was compiled in (shown by the build script and the benchmark).
@@ -383,10 +404,10 @@ std::string isa() {
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int window=0, float softcap=0.0) -> Tensor");
+      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_decode_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int window=0, float softcap=0.0, *, Tensor(a!) out) -> Tensor(a!)");
+      "float scale, int window=0, float softcap=0.0, Tensor? sinks=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("isa", &tandem_ops::isa);
 }
 

@@ -20,7 +20,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _fake_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -118,6 +119,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V.
 
@@ -126,15 +128,18 @@ def paged_decode_attention(
     [N, max_blocks]; seq_lens: int32 [N], each >= 1. Returns [N, H, D] in q's dtype.
     Query head h reads kv head h // (H // KVH). The softmax is computed in float32. The result is
     written into ``out`` (contiguous, q's shape and dtype) when given. window > 0: the query sees its
-    sequence's last `window` keys only; softcap > 0: scores are capped (see paged_prefill_attention).
+    sequence's last `window` keys only; softcap > 0: scores are capped (see paged_prefill_attention);
+    sinks (float32 [H]): each head's sink logit joins the softmax's denominator and attends to nothing
+    (gpt-oss), so a head may give every key little weight.
     """
     if _kernel_supports(q, k_cache, v_cache, int8_cache=True):
         op = extension.op("paged_decode_attention")
         if op is not None:
             tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)  # no-ops when int32
-            args = (q, k_cache, v_cache, tables, lens, float(scale), int(window), float(softcap))
+            args = (q, k_cache, v_cache, tables, lens, float(scale), int(window), float(softcap),
+                    None if sinks is None else sinks.float().contiguous())
             return op(*args) if out is None else op.out(*args, out=out)
-    res = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+    res = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)
     return res if out is None else out.copy_(res)
 
 
@@ -167,6 +172,7 @@ def paged_decode_attention_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch reference path: one padded gather through the block tables, then masked SDPA."""
     n, h, d = q.shape
@@ -187,23 +193,29 @@ def paged_decode_attention_torch(
         mask &= keys >= lens[:, None] - window
     # enable_gqa reads each kv head once for its query group (2x faster than repeat_interleave);
     # SDPA's CPU kernels accumulate the softmax in float32 for bf16 inputs.
-    return attention_math(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
+    return attention_math(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap, sinks=sinks).squeeze(2)
 
 
 def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                   softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+                   softcap: float = 0.0, is_causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [B, H, Q, D] x [B, KVH, L, D] (mask: bool, True = attend), or its arithmetic
-    written out when scores are soft-capped, which SDPA cannot do (float32 softmax)."""
+    written out when scores are soft-capped or a sink logit per head (sinks [H]) joins each softmax's
+    denominator, which SDPA cannot do (float32 softmax)."""
     gqa = k.shape[1] != q.shape[1]
-    if softcap <= 0:
+    if softcap <= 0 and sinks is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                 is_causal=is_causal, enable_gqa=gqa)
     if gqa:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    if sinks is None:
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's share is dropped
+    return (probs @ v.float()).to(q.dtype)

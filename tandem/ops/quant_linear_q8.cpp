@@ -1,5 +1,5 @@
 // Linear layers on GGUF block-quantized weights with int8 activations, llama.cpp's arithmetic:
-// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0 or Q8_0 blocks (gguf_blocks.h) here, and in Q4_K, Q5_K or
+// y = x W^T (+ b) with W in Q4_0, Q4_1, Q5_0, Q8_0 or MXFP4 blocks (gguf_blocks.h) here, and in Q4_K, Q5_K or
 // Q6_K blocks through quant_linear_k8.cpp (activations per 256, ggml's Q8_K, as llama.cpp pairs them).
 //
 // The activations are quantized to int8 per block of 32 (a scale d and the scaled sum s = d * sum(q),
@@ -7,7 +7,7 @@
 // vpmaddubsw, pairs added by vpmaddwd (or both in one vpdpbusd with AVX512-VNNI; no int16 pair sum
 // saturates: each is at most 2 * 127 * 127), then scaled once per block in float32:
 //   unsigned q (Q4_0, Q4_1, Q5_0)   w = dw * q + mw        dot = dw * dx * sum(q * qx) + mw * sx
-//   signed q (Q8_0)                 w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
+//   signed q (Q8_0, MXFP4)          w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
 // per block of 32 weights, which is one block of x.
 // Each output is the same function of its row of x whatever the batch. But rounding x to int8 is
 // discontinuous: a one-ulp difference in x (another kernel's summation order upstream) can move a
@@ -193,6 +193,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
       case kQ4_1: linear_rows<kQ4_1>(wp, w.size(1), a, M, K, N, yp); break;
       case kQ5_0: linear_rows<kQ5_0>(wp, w.size(1), a, M, K, N, yp); break;
       case kQ8_0: linear_rows<kQ8_0>(wp, w.size(1), a, M, K, N, yp); break;
+      case kMXFP4: linear_rows<kMXFP4>(wp, w.size(1), a, M, K, N, yp); break;
       default: TORCH_CHECK(false, "gguf_linear_q8: unsupported ggml type ", qtype);
     }
   }
