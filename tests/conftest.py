@@ -214,6 +214,17 @@ def random_hf_model(cls, cfg, path: Path, adjust=None):  # noqa: ANN001, ANN201
     return path, model
 
 
+def hf_forward_greedy(ref, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """transformers' forward pass, argmax, one token at a time over the whole sequence: the reference for
+    a mixture of experts, where transformers' generate() can differ from its own forward (71 against
+    the forward's 86 on one Qwen3-MoE prompt, transformers 5.24's grouped_mm experts)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids])

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_pool_clean, random_hf_model
+from conftest import assert_pool_clean, hf_forward_greedy, random_hf_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tandem import LLM, SamplingParams
@@ -78,17 +78,6 @@ def write_gguf(model: torch.nn.Module, path: Path) -> None:
     w.close()
 
 
-def hf_greedy(ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' forward pass, argmax, one token at a time over the whole sequence. (Its generate()
-    on this MoE differs from its own forward in the first token on some prompts: 71 against the
-    forward's 86 on one here, transformers 5.24's grouped_mm experts; the forward is the reference.)"""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def check_greedy(llm: LLM, ref: torch.nn.Module, max_tokens: int = 10) -> None:
     """Prompts in chunks of 8 tokens; the last two share a 24-token head that the second finds cached."""
     gen = np.random.default_rng(1)
@@ -97,7 +86,7 @@ def check_greedy(llm: LLM, ref: torch.nn.Module, max_tokens: int = 10) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts[:4], params) + llm.generate(prompts[4:], params)
     for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(ref, p, max_tokens)
+        assert out.outputs[0].token_ids == hf_forward_greedy(ref, p, max_tokens)
     assert outs[-1].num_cached_tokens >= 20
     assert_pool_clean(llm.engine)
 
@@ -167,7 +156,7 @@ def test_eplb_evens_a_skewed_router(eplb: bool, tmp_path: Path) -> None:
         prompts = [gen.integers(0, VOCAB, 12).tolist() for _ in range(8)]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         for p, out in zip(prompts, outs, strict=True):
-            assert out.outputs[0].token_ids == hf_greedy(ref, p, 24)
+            assert out.outputs[0].token_ids == hf_forward_greedy(ref, p, 24)
         core = llm.engine.core
         loads = core.runner.model.expert_loads()
         stats = core_stats(core)  # what the server's metrics show (tandem:expert_load_imbalance)

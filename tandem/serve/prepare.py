@@ -14,6 +14,7 @@ from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Call
 from tandem.serve.errors import APIError, bad_request
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.reply_parser import uses_harmony
 from tandem.serve.text_worker import TextWorker
 from tandem.serve.tool_calls.formats import template_knows_tools
 from tandem.serve.tool_calls.plan import ToolPlan, plan_tools
@@ -170,6 +171,8 @@ async def chat_prompt(s: ChatAPI, chat: ChatInput, params: SamplingParams,
     if params.max_tokens is None:
         assert s.engine.info is not None
         params.max_tokens = max(s.engine.info.max_model_len - len(ids), 1)
+    if uses_harmony(s.text.tool_format, s.text.reasoning):
+        params.skip_special_tokens = False  # the harmony parser reads the channels' special tokens
     validate(s.engine, ids, params, "messages")
     s.admission.admit(call, 1, params, [ids])
     return ids, tools

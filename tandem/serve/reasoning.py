@@ -8,6 +8,8 @@ Formats, as vLLM names them:
   pair (`<think>` at its end) starts the reply inside it.
 - `deepseek_r1`: the reply starts inside its reasoning (its templates open `<think>`, and the model
   may write it again), which runs up to `</think>`; a reply cut short before it is all reasoning.
+- `openai_gptoss`: gpt-oss's harmony channels, the analysis channel being the reasoning; its own
+  parser (tandem/serve/harmony.py) reads tool calls from the same messages.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ class ReasoningFormat:
     start: str
     end: str
     starts_inside: bool  # the reply begins in its reasoning even without the start tag
+    harmony: bool = False  # gpt-oss's channels (tandem/serve/harmony.py), not a pair of tags
 
 
 QWEN3 = ReasoningFormat("qwen3", "<think>", "</think>", starts_inside=False)
 DEEPSEEK_R1 = ReasoningFormat("deepseek_r1", "<think>", "</think>", starts_inside=True)
-REASONING_FORMATS = {f.name: f for f in (QWEN3, DEEPSEEK_R1)}
+OPENAI_GPTOSS = ReasoningFormat("openai_gptoss", "<|channel|>analysis<|message|>", "<|end|>", starts_inside=False,
+                                harmony=True)
+REASONING_FORMATS = {f.name: f for f in (QWEN3, DEEPSEEK_R1, OPENAI_GPTOSS)}
 
 
 @dataclass

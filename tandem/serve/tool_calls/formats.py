@@ -4,7 +4,9 @@ A call is one JSON object with the function's name and its arguments. `hermes` (
 SmolLM and most ChatML models) wraps each in `<tool_call>` tags, anywhere in the reply; `llama3_json`
 (Llama 3.1+) makes the whole reply calls, optionally after `<|python_tag|>`, separated by `;`;
 `mistral` (Mistral's v3 tokenizer and the models trained on it) makes the reply `[TOOL_CALLS]` and a
-JSON array of the calls; `phi4_mini_json` (Phi-4-mini) the same array after `functools`.
+JSON array of the calls; `phi4_mini_json` (Phi-4-mini) the same array after `functools`; `openai`
+(gpt-oss) writes a call as a harmony message addressed to the function, its body the arguments
+(tandem/serve/harmony.py parses it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class ToolFormat:
     prefix: str | None = None  # a marker before the first call (open is None); optional unless prefix_required
     prefix_required: bool = False  # without the marker the reply is content
     array: bool = False  # the calls are one JSON array after the marker: [call, call]
+    harmony: bool = False  # gpt-oss's channels (tandem/serve/harmony.py), not JSON objects in the text
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", ("arguments",), "\n")
@@ -29,7 +32,8 @@ LLAMA3_JSON = ToolFormat("llama3_json", None, None, ("parameters", "arguments"),
 MISTRAL = ToolFormat("mistral", None, None, ("arguments",), ", ", "[TOOL_CALLS]", prefix_required=True, array=True)
 PHI4_MINI_JSON = ToolFormat("phi4_mini_json", None, None, ("arguments",), ", ", "functools", prefix_required=True,
                             array=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON)}
+OPENAI = ToolFormat("openai", None, None, ("arguments",), "", harmony=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON, OPENAI)}
 
 
 def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat:
@@ -40,6 +44,8 @@ def format_for(chat_template: str | None, requested: str = "auto") -> ToolFormat
             raise ValueError(f"unknown tool call parser {requested!r} (choose from auto, {', '.join(FORMATS)})")
         return FORMATS[requested]
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return OPENAI
     if "<tool_call>" in template:
         return HERMES
     if "[TOOL_CALLS]" in template:

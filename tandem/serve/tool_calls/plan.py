@@ -39,6 +39,9 @@ def plan_tools(fmt: ToolFormat, tools: list[dict[str, Any]] | None, choice: str 
         return ToolPlan(tools, False, None)
     if choice == "auto":
         return ToolPlan(tools, True, None)
+    if fmt.harmony:  # a grammar over harmony's special tokens is not built (vLLM's gpt-oss: auto only too)
+        raise ParamError(f"tool_choice {json.dumps(choice)} is not supported for the {fmt.name} (harmony) format: "
+                         "use auto or none", "tool_choice")
     if choice == "required":
         return ToolPlan(tools, True, forced_calls_grammar(fmt, tools, parallel))
     assert isinstance(choice, dict)
