@@ -11,6 +11,9 @@ Shapes (the real vocabulary sizes: SmolLM2's tokenizer, which llama.cpp's conver
                96 of 128 dimensions rotated, longrope (original context 4,096 of 131,072)
   smollm3-3b   SmolLM3-3B: hidden 2048, 36 layers, 16 heads, 4 KV heads, MLP 11008, tied, vocab 128,256,
                every fourth layer without RoPE
+  gpt-oss-20b  gpt-oss-20b: hidden 2880, 24 layers, 64 heads of 64, 8 KV heads, 32 experts (top 4) of 2880,
+               sinks, sliding window 128 every other layer, vocab 201,088; its experts in MXFP4 as it ships
+               (type MXFP4: the converter's file, the rest in Q8_0; llama-quantize is not run)
 (Qwen2.5 is left out: transformers gives a Qwen2 directory Qwen2's pre-tokenizer, which llama.cpp's
 converter does not recognise over SmolLM2's vocabulary, the only one here.)
 Made once into ~/.cache/tandem/models/<name>-shape-<type>.gguf: a Hugging Face directory of seeded normal
@@ -49,7 +52,72 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008, rms_norm_eps=1e-6,
                        rope_theta=5000000.0, max_position_embeddings=65536, tie_word_embeddings=True),
 }
-NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "phi-4-mini": "phi-4-mini", "smollm3-3b": "smollm3-3b"}
+GPT_OSS_20B = dict(architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                   num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                   num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "phi-4-mini": "phi-4-mini", "smollm3-3b": "smollm3-3b",
+         "gpt-oss-20b": "gpt-oss-20b"}
+
+
+def gpt_oss_directory(out: Path) -> Path:
+    """gpt-oss-20b's checkpoint as it ships (experts as MXFP4 blocks and scales, the rest bfloat16), written
+    tensor by tensor: 21B parameters never exist as one model in memory. Blocks are random bytes with
+    exponents 2^-8 to 2^-5 (weights of about the float ones' size); the rest seeded normal (std 0.02)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig
+
+    if (out / "config.json").exists():
+        return out
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    spec = {k: v for k, v in GPT_OSS_20B.items() if k != "architecture"}
+    cfg = GptOssConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **spec)
+    staging = out.with_suffix(".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    h, e, inter, d = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def mxfp4(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        return {"blocks": torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=gen),
+                "scales": torch.randint(119, 123, (e, rows, cols // 32), dtype=torch.uint8, generator=gen)}
+
+    index: dict[str, str] = {}
+    shards = [{"model.embed_tokens.weight": normal(cfg.vocab_size, h), "lm_head.weight": normal(cfg.vocab_size, h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        layer = {f"{pre}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 f"{pre}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 f"{pre}self_attn.sinks": normal(cfg.num_attention_heads), f"{pre}mlp.router.weight": normal(e, h),
+                 f"{pre}mlp.router.bias": normal(e), f"{pre}mlp.experts.gate_up_proj_bias": normal(e, 2 * inter),
+                 f"{pre}mlp.experts.down_proj_bias": normal(e, h)}
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            layer[f"{pre}self_attn.{name}_proj.weight"] = normal(rows, h)
+            layer[f"{pre}self_attn.{name}_proj.bias"] = normal(rows)
+        layer[f"{pre}self_attn.o_proj.weight"], layer[f"{pre}self_attn.o_proj.bias"] = normal(h, q), normal(h)
+        for name, (rows, cols) in (("gate_up_proj", (2 * inter, h)), ("down_proj", (h, inter))):
+            for part, t in mxfp4(rows, cols).items():
+                layer[f"{pre}mlp.experts.{name}_{part}"] = t
+        shards.append(layer)
+    for n, shard in enumerate(shards):
+        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, staging / file, metadata={"format": "pt"})
+        index |= {name: file for name in shard}
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    config = cfg.to_dict() | {"architectures": ["GptOssForCausalLM"], "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    (staging / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(staging)
+    staging.rename(out)
+    return out
 
 
 def hf_directory(shape: str, out: Path) -> Path:
@@ -95,6 +163,14 @@ def gguf_file(shape: str, qtype: str, llama_cpp: Path) -> Path:
     out = models / f"{NAMES[shape]}-shape-{qtype}.gguf"
     if out.exists():
         return out
+    if shape == "gpt-oss-20b":  # the converter keeps the MXFP4 experts; the rest it writes as Q8_0
+        if qtype != "MXFP4":
+            raise SystemExit("gpt-oss-20b is made as it ships: type MXFP4")
+        hf = gpt_oss_directory(models / f"{NAMES[shape]}-shape-hf")
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "q8_0",
+                        "--outfile", str(out.with_suffix(".partial"))], check=True)
+        out.with_suffix(".partial").rename(out)
+        return out
     bf16 = models / f"{NAMES[shape]}-shape-BF16.gguf"
     if not bf16.exists():
         hf = hf_directory(shape, models / f"{NAMES[shape]}-shape-hf")
@@ -111,7 +187,7 @@ def gguf_file(shape: str, qtype: str, llama_cpp: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree, llama-quantize built")
-    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("shape", choices=sorted(NAMES))
     ap.add_argument("types", nargs="+", help="llama-quantize types, e.g. Q4_K_M Q4_0 (BF16: the converted file)")
     args = ap.parse_args()
     for qtype in args.types:

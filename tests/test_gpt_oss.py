@@ -161,3 +161,19 @@ def test_expert_parallel_eplb_moves_mxfp4_experts_and_their_biases(tmp_path: Pat
         assert_pool_clean(llm.engine)
     finally:
         llm.close()
+
+
+def test_a_gguf_file_ends_replies_on_harmonys_return_and_call_tokens() -> None:
+    """Whatever eos the file declares, generation also stops at <|return|> and <|call|> (found by their
+    text, as llama.cpp finds them)."""
+    from tandem.model.gpt_oss import arch_from_gguf_metadata
+
+    keys = {"block_count": 2, "context_length": 4096, "embedding_length": 64, "feed_forward_length": 64,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "expert_count": 4, "expert_used_count": 2,
+            "expert_feed_forward_length": 64, "attention.sliding_window": 128}
+    tokens = [f"t{i}" for i in range(10)] + ["<|return|>", "<|endoftext|>", "<|call|>"]
+    meta = {f"gpt-oss.{k}": v for k, v in keys.items()} | {"tokenizer.ggml.tokens": tokens,
+                                                            "tokenizer.ggml.eos_token_id": 11}
+    arch = arch_from_gguf_metadata(meta, True, True)
+    assert arch.eos_token_ids == (11, 10, 12)
+    assert arch.layer_windows == (128, 0) and arch.attn_sinks and arch.moe_bias and arch.swiglu_limit == 7.0

@@ -21,7 +21,7 @@ import torch
 
 from tandem.model import arch as llama_arch
 from tandem.model import qwen3_moe
-from tandem.model.arch import ArchConfig, layer_windows
+from tandem.model.arch import ArchConfig, layer_windows, token_ids
 from tandem.model.block_formats import MXFP4
 from tandem.model.linear import Weight, dense
 from tandem.model.quant import QuantizedWeight
@@ -34,6 +34,9 @@ GGUF_LAYER_NAMES = {**qwen3_moe.GGUF_LAYER_NAMES, "post_attention_norm": "post_a
 SLIDING_WINDOW_PATTERN = 2  # every other layer slides, the first included (transformers' default, llama.cpp's rule)
 # The clamped SwiGLU's constants, which llama.cpp's converter does not write (llama.cpp fixes them too).
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
+# Harmony's ends of a reply: after the final answer, and after a tool call. A GGUF file may declare
+# only its eos; llama.cpp, too, ends generation on these by their text.
+END_TOKENS = ("<|return|>", "<|call|>")
 
 
 def _moe(base: ArchConfig, experts: int, used: int, intermediate: int, window: int, layer_types: list[str] | None,
@@ -60,6 +63,8 @@ def arch_from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, has_q
     base = replace(base, rope_theta=rope.theta, rope_scaling_factor=rope.linear_factor,
                    rope_freq_factors=rope.freq_factors, rope_attention_factor=rope.attention_factor)
     window = int(meta.get(f"{prefix}attention.sliding_window") or 0)
+    ends = [i for i, t in enumerate(meta.get("tokenizer.ggml.tokens") or []) if t in END_TOKENS]
+    base = replace(base, eos_token_ids=token_ids(base.eos_token_ids, ends))
     return _moe(base, int(meta[f"{prefix}expert_count"]), int(meta[f"{prefix}expert_used_count"]),
                 int(meta[f"{prefix}expert_feed_forward_length"]), window, None, SWIGLU_LIMIT, SWIGLU_ALPHA)
 
