@@ -238,9 +238,9 @@ def weight_formats(model: nn.Module) -> tuple[str, ...]:
 def held_forms(model: nn.Module) -> dict[str, int]:
     """Bytes of every weight the model holds, by the form it is held in: a linear method's name (its
     weight or ggml blocks), "packed-bf16 panels" and "packed-bf16 oneDNN" for the two copies a packed
-    layer can keep, "other" for parameters outside the linear layers (norms). Each storage is counted
-    once, so a tied head is counted once. Other buffers are computed tables, not weights (the rotary
-    cos/sin, Gemma 3's local table too)."""
+    layer can keep, "<method> experts" for a mixture of experts' stacks, "other" for the rest (norms).
+    Each storage is counted once, so a tied head is counted once. Other buffers are computed tables, not
+    weights (the rotary cos/sin, Gemma 3's local table too)."""
     seen: set[int] = set()
     forms: dict[str, int] = {}
 
@@ -262,6 +262,9 @@ def held_forms(model: nn.Module) -> dict[str, int]:
             count(m.method.name + part, t)
         for t in m.parameters():
             count(m.method.name, t)
+    for m in model.modules():  # a mixture of experts' stacks, by their form (model/moe.py)
+        for form, t in getattr(m, "held_stacks", lambda: [])():
+            count(form, t)
     for t in model.parameters():
         count("other", t)
     return forms

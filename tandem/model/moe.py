@@ -156,6 +156,10 @@ class SparseMoE(nn.Module):
             start += n
         return out
 
+    def held_stacks(self) -> list[tuple[str, torch.Tensor]]:
+        """The expert stacks by the form they are held in (linear.held_forms)."""
+        return [(f"{self.method13.name} experts", self.w13), (f"{self.method2.name} experts", self.w2)]
+
     def slot_tensors(self) -> list[torch.Tensor]:
         """Everything a slot holds, [slots, ...] each: what moves with an expert."""
         return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
