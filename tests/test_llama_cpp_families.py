@@ -1,12 +1,14 @@
 """Every model family from the GGUF file llama.cpp's own converter writes (tests/llama_cpp_converter.py)
 from a tiny random Hugging Face model saved with the default model's tokenizer: Tandem, in float32, gives
 transformers' greedy tokens on the same weights through chunked prefill, paged decode and a prefix-cache
-hit. What each family reads from the file is its own: Llama 3's rope_freqs tensor, YaRN's metadata with qkv biases,
+hit. What each family reads from the file is its own: Llama 3's rope_freqs tensor, Qwen2.5's q/k/v biases and
+YaRN's metadata,
 Phi-3's fused tensors, longrope factors and partial rotary, SmolLM3's layers without RoPE, Granite's
 multipliers, OLMo 2's norms after attention and MLP, gpt-oss's sinks, windows and experts."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -48,9 +52,13 @@ FAMILIES = {
         **SHAPE, **v, tie_word_embeddings=False, rope_theta=10000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})),
-    # Qwen2.5's YaRN and qkv bias, through the Llama converter: a Qwen2 directory gets Qwen2's own
-    # pre-tokenizer from transformers whatever it is saved with, and llama.cpp's converter refuses that
-    # pre-tokenizer over the only vocabulary here (the default model's), so no Qwen2 file can be made.
+    # Qwen2.5 (q/k/v biases), with and without the YaRN that enables its long context, through llama.cpp's
+    # Qwen2 converter (see SAVED_AS_LLAMA).
+    "qwen2": (Qwen2ForCausalLM, lambda v: Qwen2Config(**SHAPE, **v, tie_word_embeddings=True)),
+    "qwen2-yarn": (Qwen2ForCausalLM, lambda v: Qwen2Config(
+        **SHAPE, **v, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
+    # YaRN with q/k/v and o biases through the Llama converter.
     "yarn-qkv-bias": (LlamaForCausalLM, lambda v: LlamaConfig(
         **SHAPE, **v, tie_word_embeddings=True, attention_bias=True,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
@@ -73,6 +81,14 @@ FAMILIES = {
 }
 
 
+# A Qwen2 directory gets Qwen2's own pre-tokenizer from transformers' AutoTokenizer (by the config's
+# model_type), which llama.cpp's converter does not recognise over the only vocabulary here (the default
+# model's). Its config.json names model_type llama for the converter's tokenizer load only: the
+# converter picks its Qwen2 class by `architectures` and writes a qwen2 file.
+SAVED_AS_LLAMA = ("qwen2", "qwen2-yarn")
+ARCHITECTURES = {"llama3": "llama", "qwen2-yarn": "qwen2", "yarn-qkv-bias": "llama"}  # the file's, where not the case's
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
     """Each family's directory (tokenizer included), its GGUF file from llama.cpp's converter, and
@@ -90,6 +106,9 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
         tokenizer.save_pretrained(path)
         if name == "phi3":
             declare_gpt2_tokenizer(path)
+        if name in SAVED_AS_LLAMA:
+            config = path / "config.json"
+            config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
         built[name] = (path, ref)
     files = convert([path for path, _ in built.values()])
     return {name: (gguf, ref) for (name, (_, ref)), gguf in zip(built.items(), files, strict=True)}
@@ -108,5 +127,6 @@ def test_a_gguf_file_from_llama_cpps_converter_generates_transformers_tokens(
     first = llm.generate(prompts[:1], params)
     rest = llm.generate(prompts[1:], params)  # the shared head from the prefix cache
     assert all(o.metrics.num_cached_tokens >= 40 for o in rest), [o.metrics.num_cached_tokens for o in rest]
+    assert llm.engine.core.runner.model.cfg.architecture == ARCHITECTURES.get(family, family)
     for prompt, out in zip(prompts, first + rest, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 10)
