@@ -14,8 +14,10 @@ Shapes (the real vocabulary sizes: SmolLM2's tokenizer, which llama.cpp's conver
   gpt-oss-20b  gpt-oss-20b: hidden 2880, 24 layers, 64 heads of 64, 8 KV heads, 32 experts (top 4) of 2880,
                sinks, sliding window 128 every other layer, vocab 201,088; its experts in MXFP4 as it ships
                (type MXFP4: the converter's file, the rest in Q8_0; llama-quantize is not run)
-(Qwen2.5 is left out: transformers gives a Qwen2 directory Qwen2's pre-tokenizer, which llama.cpp's
-converter does not recognise over SmolLM2's vocabulary, the only one here.)
+  qwen2.5-1.5b Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, q/k/v biases, tied,
+               vocab 151,936 (its config.json names model_type llama for the converter's tokenizer load only:
+               transformers would give a Qwen2 directory Qwen2's pre-tokenizer, which the converter does not
+               recognise over SmolLM2's vocabulary; the file is a qwen2 one)
 Made once into ~/.cache/tandem/models/<name>-shape-<type>.gguf: a Hugging Face directory of seeded normal
 weights (std 0.02, bfloat16), `convert_hf_to_gguf.py --outtype bf16`, then `llama-quantize` (llama.cpp's
 source ships in the llama-cpp-python sdist on PyPI; benchmarks/vs_llama_cpp.py says how to build it).
@@ -48,6 +50,9 @@ SHAPES = {
                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                         "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
                                         "long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0] * 48}),
+    "qwen2.5-1.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True),
     "smollm3-3b": dict(architecture="SmolLM3ForCausalLM", vocab_size=128256, hidden_size=2048, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008, rms_norm_eps=1e-6,
                        rope_theta=5000000.0, max_position_embeddings=65536, tie_word_embeddings=True),
@@ -57,7 +62,7 @@ GPT_OSS_20B = dict(architecture="GptOssForCausalLM", vocab_size=201088, hidden_s
                    num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "phi-4-mini": "phi-4-mini", "smollm3-3b": "smollm3-3b",
-         "gpt-oss-20b": "gpt-oss-20b"}
+         "qwen2.5-1.5b": "qwen2.5-1.5b", "gpt-oss-20b": "gpt-oss-20b"}
 
 
 def gpt_oss_directory(out: Path) -> Path:
@@ -89,8 +94,15 @@ def gpt_oss_directory(out: Path) -> Path:
                 "scales": torch.randint(119, 123, (e, rows, cols // 32), dtype=torch.uint8, generator=gen)}
 
     index: dict[str, str] = {}
-    shards = [{"model.embed_tokens.weight": normal(cfg.vocab_size, h), "lm_head.weight": normal(cfg.vocab_size, h),
-               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]
+    count = cfg.num_hidden_layers + 1
+
+    def write(n: int, shard: dict[str, torch.Tensor]) -> None:  # one shard at a time: at most a layer in memory
+        file = f"model-{n:05d}-of-{count:05d}.safetensors"
+        save_file(shard, staging / file, metadata={"format": "pt"})
+        index.update({name: file for name in shard})
+
+    write(0, {"model.embed_tokens.weight": normal(cfg.vocab_size, h), "lm_head.weight": normal(cfg.vocab_size, h),
+              "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."
         layer = {f"{pre}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
@@ -105,11 +117,7 @@ def gpt_oss_directory(out: Path) -> Path:
         for name, (rows, cols) in (("gate_up_proj", (2 * inter, h)), ("down_proj", (h, inter))):
             for part, t in mxfp4(rows, cols).items():
                 layer[f"{pre}mlp.experts.{name}_{part}"] = t
-        shards.append(layer)
-    for n, shard in enumerate(shards):
-        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, staging / file, metadata={"format": "pt"})
-        index |= {name: file for name in shard}
+        write(i + 1, layer)
     (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     config = cfg.to_dict() | {"architectures": ["GptOssForCausalLM"], "quantization_config": {
         "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
@@ -153,6 +161,9 @@ def hf_directory(shape: str, out: Path) -> Path:
     if arch == "Phi3ForCausalLM":  # Phi-3's converter reads a BPE vocabulary only from a GPT2Tokenizer config
         config = staging / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+    if arch == "Qwen2ForCausalLM":  # the converter loads the tokenizer by model_type (see the docstring)
+        config = staging / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
     staging.rename(out)
     return out
 
