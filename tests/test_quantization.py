@@ -78,12 +78,15 @@ def test_an_unknown_quantization_is_refused() -> None:
 
 
 def test_auto_serves_the_blocks_unless_bf16_is_native_and_the_model_small() -> None:
+    """Past 1 GiB of dense weights the blocks with int8 activations on every CPU; below it the blocks
+    with float activations, or dense bf16 where bf16 is native."""
     cpu = torch.device("cpu")
     native = packing_supported(cpu, torch.bfloat16)
     small, large = 300 << 20, 2 << 30  # the default model's bf16 weights, and a 1B model's
     assert resolve_quantization("auto", torch.float32, cpu, small) == "gguf"
     assert resolve_quantization("auto", torch.bfloat16, cpu, small) == ("none" if native else "gguf")
-    assert resolve_quantization("auto", torch.bfloat16, cpu, large) == ("gguf-q8" if native else "gguf")
+    assert resolve_quantization("auto", torch.bfloat16, cpu, large) == "gguf-q8"
+    assert resolve_quantization("auto", torch.float32, cpu, large) == "gguf-q8"
     assert resolve_quantization("gguf", torch.bfloat16, cpu, large) == "gguf"
 
 

@@ -206,26 +206,28 @@ def load_hf_weights(path: Path, context: int | None = None) -> tuple[ArchConfig,
 
 # -- entry point --------------------------------------------------------------------------------
 
-# auto dequantizes a GGUF file to native bf16 only up to this many bytes of dense weights (see resolve_quantization).
+# auto serves a GGUF file past this many bytes of dense weights with int8 activations (see resolve_quantization).
 AUTO_DENSE_MAX_BYTES = 1 << 30
 
 
 def resolve_quantization(quantization: str, dtype: torch.dtype, device: torch.device,
                          dense_bytes: int | None = None) -> str:
-    """auto -> gguf (the blocks as stored, float activations) where the dense layers of dtype are not
-    native bfloat16 (on float32 the blocks win: 2.4x a decode step at batch 1 on AVX2). Where they
-    are, a small model is dequantized (none): its steps are dispatch-bound and oneDNN's bf16 GEMMs and
-    the dpbf16 small-batch kernel outrun the block kernels (135M: one stream 17.2 against 22.0 ms a
-    token, prompts 3x faster). Past AUTO_DENSE_MAX_BYTES of dense weights (dense_bytes: the file's
-    matrices in dtype) the blocks are served as stored with int8 activations (gguf-q8): decode is
-    bandwidth-bound there and the dense copy reads 3x the bytes (Llama-3.2-1B Q4_K_M: one stream
-    40.8 against 79.1 ms a token on a Zen 4 EPYC) and holds 3x the memory (a 3.8B Q4_K_M file's does
-    not fit beside its KV on 24 GB); its prompts are slower (256 tokens: 2.8 against 1.1 s at 1B)."""
+    """auto -> past AUTO_DENSE_MAX_BYTES of dense weights (dense_bytes: the file's matrices in dtype) the
+    blocks as stored with int8 activations (gguf-q8), on every CPU: decode is bandwidth- or, with float
+    activations, compute-bound there, and the int8 sums are about twice the float kernel's rate
+    (gpt-oss-20b's MXFP4 experts on a Zen 3 EPYC, AVX2: a token 157 against 317 ms; on a Zen 4 EPYC
+    the dense copy of Llama-3.2-1B Q4_K_M read 3x the bytes, 79.1 against 40.8 ms, and held 3x the
+    memory: a 3.8B Q4_K_M file's does not fit beside its KV on 24 GB); its prompts are slower than a
+    dense bf16 model's (256 tokens: 2.8 against 1.1 s at 1B). Smaller models: gguf (the blocks as
+    stored, float activations) where the dense layers of dtype are not native bfloat16 (on float32 the
+    blocks win: 2.4x a decode step at batch 1 on AVX2), else none (dequantized): their steps are
+    dispatch-bound and oneDNN's bf16 GEMMs and the dpbf16 small-batch kernel outrun the block kernels
+    (135M: one stream 17.2 against 22.0 ms a token, prompts 3x faster)."""
     if quantization != "auto":
         return quantization
-    if not packing_supported(device, dtype):
-        return "gguf"
-    return "gguf-q8" if dense_bytes is not None and dense_bytes > AUTO_DENSE_MAX_BYTES else "none"
+    if dense_bytes is not None and dense_bytes > AUTO_DENSE_MAX_BYTES:
+        return "gguf-q8"
+    return "none" if packing_supported(device, dtype) else "gguf"
 
 
 def checkpoint_bytes(path: Path) -> int:
