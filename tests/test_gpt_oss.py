@@ -108,11 +108,9 @@ def assert_experts_held_as_mxfp4(llm: LLM) -> None:
         assert moe.w13.shape[-1] == MXFP4.row_bytes(moe.hidden)  # 17 bytes a block of 32 weights
 
 
-@pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
-def test_an_mxfp4_checkpoint_is_served_as_stored(kernels: str, checkpoint: tuple[Path, torch.nn.Module],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    if kernels == "pytorch":
-        monkeypatch.setenv("TANDEM_DISABLE_KERNELS", "1")
+def test_an_mxfp4_checkpoint_is_served_as_stored(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    """(The PyTorch fallbacks of the same arithmetic: the tiny-model logits test's pytorch case, and
+    MXFP4's decoding against gguf-py in tests/test_kquants.py.)"""
     path, ref = checkpoint
     llm = LLM(str(path), **ENGINE)
     try:

@@ -198,12 +198,17 @@ SETTINGS = {
 }
 
 
+_UNSPECULATED: dict[str, list[list[int]]] = {}  # setting -> the plain engine's greedy tokens (both methods')
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_outputs_equal_with_and_without_speculation(method: str, setting: str, make_llm) -> None:  # noqa: ANN001
     options = {"dtype": "float32", **SETTINGS[setting]}
     prompts = copy_prompts()
-    expected = [o.outputs[0].token_ids for o in _greedy(make_llm(**options), prompts)]
+    if setting not in _UNSPECULATED:  # the same engine and prompts for both methods: computed once
+        _UNSPECULATED[setting] = [o.outputs[0].token_ids for o in _greedy(make_llm(**options), prompts)]
+    expected = _UNSPECULATED[setting]
     llm = make_llm(**options, speculative_config=json.dumps(NGRAM if method == "ngram" else SUFFIX))
     core = llm.engine.core
     preemptions, accepted = core.scheduler.num_preemptions, core.spec.stats.num_accepted_tokens
