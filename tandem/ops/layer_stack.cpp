@@ -14,6 +14,7 @@
 //            same weight packed for oneDNN (PackedLinear's two copies), mkldnn::_linear_pointwise
 //   kGguf    ggml blocks as stored, gguf_linear or gguf_linear_q8 (up to max_rows rows)
 //   kOnednn  a bf16 weight packed for oneDNN only (no bf16 dot-product instructions for the panels)
+//   parts    a fused layer in several block formats (model/linear.py's gguf-split): kGguf parts side by side
 // A step whose rows exceed a linear's max_rows, or that the kernels cannot serve, is left to the
 // Python path by the caller (LayerStack.max_rows).
 
@@ -87,10 +88,20 @@ struct LinearW {
   int64_t out_features = 0, in_features = 0, qtype = 0;
   int64_t max_rows = std::numeric_limits<int64_t>::max();  // of this form (panels: of the panels)
   std::optional<at::Tensor> wide;  // kPanels: oneDNN's packed copy, for more rows than the panels'
+  // A fused layer whose parts are in different block formats (a Q4_K_M file's q, k in Q4_K and v in
+  // Q6_K): each part's output side by side, then the bias.
+  std::vector<LinearW> parts;
 
   int64_t rows_served() const { return wide ? std::numeric_limits<int64_t>::max() : max_rows; }
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (!parts.empty()) {
+      std::vector<at::Tensor> outs;
+      outs.reserve(parts.size());
+      for (const LinearW& p : parts) outs.push_back(p(x));
+      at::Tensor y = at::cat(outs, -1);
+      return bias ? y.add_(*bias) : y;
+    }
     switch (kind) {
       case kPanels:  // batch-invariant: the panels at any row count (oneDNN sums in another order)
         return x.size(0) <= max_rows || !wide || batch_invariant() ? small_batch_linear(x, weight, bias, out_features)
@@ -161,6 +172,30 @@ class LayerStack : public torch::CustomClassHolder {
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "LayerStack: the previous layer lacks linears");
     layers_.push_back(
         LayerW{input_norm.contiguous(), post_norm.contiguous(), given(q_norm), given(k_norm), {}, window, rotates});
+  }
+
+  // The next linear as parts in different block formats (kinds kGguf or kGgufQ8; outs: each part's rows),
+  // their outputs side by side, then bias (empty: none).
+  void add_split_linear(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& weights,
+                        const std::vector<int64_t>& outs, const std::vector<int64_t>& qtypes,
+                        const std::vector<int64_t>& max_rows, const at::Tensor& bias, int64_t in_features) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "LayerStack: add_layer first");
+    const size_t n = kinds.size();
+    TORCH_CHECK(n > 0 && weights.size() == n && outs.size() == n && qtypes.size() == n && max_rows.size() == n,
+                "LayerStack: add_split_linear's lists differ in length");
+    LinearW l;
+    l.bias = given(bias);
+    l.in_features = in_features;
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(kinds[i] == kGguf || kinds[i] == kGgufQ8, "LayerStack: a split linear's parts are ggml blocks");
+      LinearW p{kinds[i], weights[i], std::nullopt, outs[i], in_features, qtypes[i],
+                max_rows[i] > 0 ? max_rows[i] : std::numeric_limits<int64_t>::max(), std::nullopt};
+      l.out_features += outs[i];
+      l.max_rows = std::min(l.max_rows, p.rows_served());
+      l.parts.push_back(std::move(p));
+    }
+    max_rows_ = std::min(max_rows_, l.rows_served());
+    layers_.back().linears.push_back(std::move(l));
   }
 
   // Every attention and MLP output scaled by it before the residual add (Granite's residual multiplier).
@@ -313,6 +348,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
       .def("set_sandwich", &tandem_ops::LayerStack::set_sandwich)
       .def("set_post_norms", &tandem_ops::LayerStack::set_post_norms)
       .def("add_linear", &tandem_ops::LayerStack::add_linear)
+      .def("add_split_linear", &tandem_ops::LayerStack::add_split_linear)
       .def("set_group", &tandem_ops::LayerStack::set_group)
       .def("set_residual_scale", &tandem_ops::LayerStack::set_residual_scale)
       .def("group_slot_bytes", &tandem_ops::LayerStack::group_slot_bytes)
