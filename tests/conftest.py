@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -223,6 +224,23 @@ def hf_forward_greedy(ref, prompt: list[int], n: int) -> list[int]:  # noqa: ANN
         for _ in range(n):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def check_greedy_with_a_prefix_hit(llm, ref, vocab: int, lengths: tuple[int, ...],  # noqa: ANN001
+                                   max_tokens: int = 10) -> None:
+    """Random prompts of these lengths, then two sharing a 24-token head that the second finds cached:
+    greedy tokens equal transformers' forward (hf_forward_greedy), and the pool is clean after."""
+    from tandem import SamplingParams
+
+    gen = np.random.default_rng(1)
+    head = gen.integers(0, vocab, 24).tolist()
+    prompts = [gen.integers(0, vocab, n).tolist() for n in lengths] + [head + [5, 6], head + [7]]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts[:-1], params) + llm.generate(prompts[-1:], params)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_forward_greedy(ref, p, max_tokens)
+    assert outs[-1].num_cached_tokens >= 20
+    assert_pool_clean(llm.engine)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001

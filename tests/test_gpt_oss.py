@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_pool_clean, hf_forward_greedy, random_hf_model
+from conftest import assert_pool_clean, check_greedy_with_a_prefix_hit, hf_forward_greedy, random_hf_model
 from llama_cpp_converter import convert, converter_available
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
@@ -85,19 +85,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
     return build(tmp_path_factory.mktemp("gpt-oss"))
 
 
-def check_greedy(llm: LLM, ref: torch.nn.Module, max_tokens: int = 10) -> None:
+def check_greedy(llm: LLM, ref: torch.nn.Module) -> None:
     """Prompts past the window and the YaRN context, in chunks of 8; the last two share a 24-token head
     that the second finds cached."""
-    vocab = ref.config.vocab_size
-    gen = np.random.default_rng(1)
-    head = gen.integers(0, vocab, 24).tolist()
-    prompts = [gen.integers(0, vocab, n).tolist() for n in (3, 19, 40)] + [head + [5, 6], head + [7]]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts[:4], params) + llm.generate(prompts[4:], params)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_forward_greedy(ref, p, max_tokens)
-    assert outs[-1].num_cached_tokens >= 20
-    assert_pool_clean(llm.engine)
+    check_greedy_with_a_prefix_hit(llm, ref, ref.config.vocab_size, (3, 19, 40))
 
 
 def assert_experts_held_as_mxfp4(llm: LLM) -> None:

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_pool_clean, hf_forward_greedy, random_hf_model
+from conftest import assert_pool_clean, check_greedy_with_a_prefix_hit, hf_forward_greedy, random_hf_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tandem import LLM, SamplingParams
@@ -78,17 +78,9 @@ def write_gguf(model: torch.nn.Module, path: Path) -> None:
     w.close()
 
 
-def check_greedy(llm: LLM, ref: torch.nn.Module, max_tokens: int = 10) -> None:
+def check_greedy(llm: LLM, ref: torch.nn.Module) -> None:
     """Prompts in chunks of 8 tokens; the last two share a 24-token head that the second finds cached."""
-    gen = np.random.default_rng(1)
-    head = gen.integers(0, VOCAB, 24).tolist()
-    prompts = [gen.integers(0, VOCAB, n).tolist() for n in (3, 9, 30)] + [head + [5, 6], head + [7]]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts[:4], params) + llm.generate(prompts[4:], params)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_forward_greedy(ref, p, max_tokens)
-    assert outs[-1].num_cached_tokens >= 20
-    assert_pool_clean(llm.engine)
+    check_greedy_with_a_prefix_hit(llm, ref, VOCAB, (3, 9, 30))
 
 
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=8)

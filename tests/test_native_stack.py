@@ -93,17 +93,26 @@ def test_the_default_model_as_stored_through_the_stack(make_llm) -> None:  # noq
     llm = make_llm(dtype="float32", quantization="gguf", enable_prefix_caching=False, max_num_batched_tokens=512)
     model = llm.engine.core.runner.model
     assert model.layer_stack().max_rows() < 300
-    prompts = [{"prompt_token_ids": np.random.default_rng(3).integers(0, 49152, 300).tolist()}]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    native, python, steps = native_and_python_tokens(llm, np.random.default_rng(3).integers(0, 49152, 300), 16)
+    assert steps == 15  # the decode steps; the 300-row prompt step is Python's
+    assert native == python
+
+
+def native_and_python_tokens(llm, prompt: np.ndarray, max_tokens: int) -> tuple[list, list, int]:  # noqa: ANN001
+    """Greedy tokens of one prompt through the stack and through the Python loop, and the steps the
+    stack served."""
+    model = llm.engine.core.runner.model
+    prompts = [{"prompt_token_ids": prompt.tolist()}]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = model.native_steps
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert model.native_steps - before == 15  # the decode steps; the 300-row prompt step is Python's
+    steps = model.native_steps - before
     model.native_layers = False
     try:
         python = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
         model.native_layers = True
-    assert native == python
+    return native, python, steps
 
 
 def test_a_fused_layer_in_two_block_formats_through_the_stack(make_llm) -> None:  # noqa: ANN001
@@ -118,14 +127,6 @@ def test_a_fused_layer_in_two_block_formats_through_the_stack(make_llm) -> None:
     methods = {type(layer.self_attn.qkv_proj.method) for layer in model.layers}
     assert SplitGGUFMethod in methods, methods
     assert model.layer_stack() is not None
-    prompts = [{"prompt_token_ids": np.random.default_rng(4).integers(0, 262144, 40).tolist()}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    before = model.native_steps
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert model.native_steps - before >= 11  # the decode steps at least
-    model.native_layers = False
-    try:
-        python = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    finally:
-        model.native_layers = True
+    native, python, steps = native_and_python_tokens(llm, np.random.default_rng(4).integers(0, 262144, 40), 12)
+    assert steps >= 11  # the decode steps at least
     assert native == python
