@@ -71,20 +71,22 @@ setup_test() {
 }
 
 # llama.cpp's own convert_hf_to_gguf.py (with its conversion package and gguf-py), for the tests that load
-# the GGUF files it writes (tests/llama_cpp_converter.py): from the llama-cpp-python source distribution
-# on PyPI, where llama.cpp ships; only those files are kept.
+# the GGUF files it writes (tests/llama_cpp_converter.py), and gpt-oss's chat template as llama.cpp ships
+# it (tests/test_harmony.py): from the llama-cpp-python source distribution on PyPI, where llama.cpp
+# ships; only those files are kept.
 LLAMA_CPP_PYTHON=0.3.36
 setup_llama_cpp_converter() {
   local dest="$VENV/llama-cpp-convert" tmp
-  [ -f "$dest/.version-$LLAMA_CPP_PYTHON" ] && return 0
+  [ -f "$dest/.version-$LLAMA_CPP_PYTHON-templates" ] && return 0
   echo "[setup] fetching llama.cpp's converter (llama-cpp-python $LLAMA_CPP_PYTHON sdist)" >&2
   tmp=$(mktemp -d)
   if pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$tmp" >/dev/null &&
     tar -xzf "$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$tmp" --wildcards \
-      "*/vendor/llama.cpp/convert_hf_to_gguf.py" "*/vendor/llama.cpp/conversion/*" "*/vendor/llama.cpp/gguf-py/*"; then
+      "*/vendor/llama.cpp/convert_hf_to_gguf.py" "*/vendor/llama.cpp/conversion/*" "*/vendor/llama.cpp/gguf-py/*" \
+      "*/vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja"; then
     rm -rf "$dest"
     mv "$tmp/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$dest"
-    touch "$dest/.version-$LLAMA_CPP_PYTHON"
+    touch "$dest/.version-$LLAMA_CPP_PYTHON-templates"
   else
     echo "[setup] llama.cpp's converter could not be fetched: the GGUF family tests will skip" >&2
   fi

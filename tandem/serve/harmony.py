@@ -25,6 +25,9 @@ END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 _BODY_ENDS = (END, CALL, RETURN)
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+# How the reply's first header may begin, right after the prompt's <|start|>assistant: its channel, or
+# its recipient first (as gpt-oss's template writes calls in the history).
+_HEADER_STARTS = (CHANNEL, "to=")
 
 
 def _held(text: str, tags: tuple[str, ...]) -> int:
@@ -79,7 +82,7 @@ class HarmonyParser:
             at = text.find(MESSAGE)
             if at < 0:
                 lead = text.lstrip()
-                if self.first and lead and not (CHANNEL.startswith(lead) or lead.startswith(CHANNEL)):
+                if self.first and lead and not any(h.startswith(lead) or lead.startswith(h) for h in _HEADER_STARTS):
                     self.state = "content"  # no header: the model wrote plain text
                     return True
                 return False
