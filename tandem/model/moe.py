@@ -158,7 +158,10 @@ class SparseMoE(nn.Module):
 
     def held_stacks(self) -> list[tuple[str, torch.Tensor]]:
         """The expert stacks by the form they are held in (linear.held_forms)."""
-        return [(f"{self.method13.name} experts", self.w13), (f"{self.method2.name} experts", self.w2)]
+        def form(method: LinearMethod) -> str:  # a stack not held as one format's blocks is dense (_stack)
+            return method.name if isinstance(method, GGUFMethod) else DENSE.name
+
+        return [(f"{form(self.method13)} experts", self.w13), (f"{form(self.method2)} experts", self.w2)]
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Everything a slot holds, [slots, ...] each: what moves with an expert."""

@@ -39,7 +39,7 @@ def build_layer_stack(model: Any) -> Any | None:
         return None
     norm = model.norm.weight
     cfg = model.cfg
-    if cfg.num_experts:  # the stack has no mixture of experts
+    if cfg.num_experts or cfg.attn_sinks:  # the stack has no mixture of experts, and no attention sinks
         return None
     if norm.device.type != "cpu" or norm.dtype not in _DTYPES or cfg.head_dim % 16:  # the kernels' rows
         return None
