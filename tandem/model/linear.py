@@ -69,9 +69,17 @@ class LinearMethod:
                                     requires_grad=False)
 
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
-        tensor = torch.cat([dense(p) for p in parts]) if len(parts) > 1 else dense(parts[0])
-        layer.check_shape(tuple(tensor.shape))
-        layer.weight.data.copy_(tensor)
+        layer.check_shape((sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1])))
+        self.fill(layer.weight.data, parts)
+
+    def fill(self, dest: torch.Tensor, parts: Sequence[Weight]) -> None:
+        """The parts' rows one after another into dest, as this method holds them (here: dense). Also
+        how a mixture of experts fills a slot of its stacks (model/qwen3_moe.py)."""
+        row = 0
+        for p in parts:
+            t = dense(p)
+            dest[row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
 
     def finish(self, layer: Linear) -> None:
         """Once the weights are in (packing, repacking)."""
@@ -117,15 +125,17 @@ class GGUFMethod(LinearMethod):
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
         """Each part's blocks straight into their rows of the layer's buffer: the one copy of the file's
         bytes this process holds (the parts may be views of the mapped file)."""
-        if not all(isinstance(p, QuantizedWeight) and p.fmt == self.fmt for p in parts):
-            raise ValueError(f"{self.name} expects {self.fmt.name} weights")
-        blocks: list[QuantizedWeight] = list(parts)  # type: ignore[arg-type]
-        if any(p.in_features != blocks[0].in_features for p in blocks):
+        if any(isinstance(p, QuantizedWeight) and p.in_features != layer.in_features for p in parts):
             raise ValueError("cannot fuse quantized weights of different widths")
-        layer.check_shape((sum(p.out_features for p in blocks), blocks[0].in_features))
+        layer.check_shape((sum(int(p.shape[0]) for p in parts), layer.in_features))
+        self.fill(layer.qdata, parts)
+
+    def fill(self, dest: torch.Tensor, parts: Sequence[Weight]) -> None:
         row = 0
-        for p in blocks:
-            layer.qdata[row:row + p.out_features].copy_(p.data)
+        for p in parts:
+            if not (isinstance(p, QuantizedWeight) and p.fmt == self.fmt):
+                raise ValueError(f"{self.name} expects {self.fmt.name} weights")
+            dest[row:row + p.out_features].copy_(p.data)
             row += p.out_features
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -164,15 +174,18 @@ class SplitGGUFMethod(LinearMethod):
                 for i, (fmt, _) in enumerate(self.groups)]
 
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
+        """Each run of parts into its group's blocks (GGUFMethod.fill checks the format)."""
+        if any(isinstance(p, QuantizedWeight) and p.in_features != layer.in_features for p in parts):
+            raise ValueError("cannot fuse quantized weights of different widths")
         queue = list(parts)
         for held in self.blocks(layer):
             row = 0
             while row < held.out_features:
+                if not queue:
+                    raise ValueError(f"{self.name}: fewer parts than its groups hold")
                 p = queue.pop(0)
-                if not (isinstance(p, QuantizedWeight) and p.fmt == held.fmt and p.in_features == layer.in_features):
-                    raise ValueError(f"{self.name} expects {held.fmt.name} rows of {layer.in_features} weights here")
-                held.data[row:row + p.out_features].copy_(p.data)
-                row += p.out_features
+                GGUFMethod(held.fmt).fill(held.data[row:], [p])
+                row += int(p.shape[0])
         if queue:
             raise ValueError(f"{self.name}: more parts than its groups hold")
 

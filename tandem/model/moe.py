@@ -84,9 +84,10 @@ class SparseMoE(nn.Module):
         self.gate = Router(hidden, cfg.num_experts, dtype, cfg.moe_bias)
         self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         # Slot s: w13[s] = [gate; up] rows, w2[s] = down ([hidden, intermediate]); b13, b2 their biases.
-        self.method13, self.method2 = method13, method2
-        self.w13 = self._stack(method13, 2 * self.intermediate, hidden, dtype)
-        self.w2 = self._stack(method2, hidden, self.intermediate, dtype)
+        # A stack is held as one format's blocks or dense (a plan of mixed formats, gguf-split, is dense).
+        self.method13, self.method2 = (m if isinstance(m, GGUFMethod) else DENSE for m in (method13, method2))
+        self.w13 = self._stack(self.method13, 2 * self.intermediate, hidden, dtype)
+        self.w2 = self._stack(self.method2, hidden, self.intermediate, dtype)
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if cfg.moe_bias:
@@ -158,10 +159,7 @@ class SparseMoE(nn.Module):
 
     def held_stacks(self) -> list[tuple[str, torch.Tensor]]:
         """The expert stacks by the form they are held in (linear.held_forms)."""
-        def form(method: LinearMethod) -> str:  # a stack not held as one format's blocks is dense (_stack)
-            return method.name if isinstance(method, GGUFMethod) else DENSE.name
-
-        return [(f"{form(self.method13)} experts", self.w13), (f"{form(self.method2)} experts", self.w2)]
+        return [(f"{self.method13.name} experts", self.w13), (f"{self.method2.name} experts", self.w2)]
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Everything a slot holds, [slots, ...] each: what moves with an expert."""

@@ -19,7 +19,7 @@ from tandem.model import arch as llama_arch
 from tandem.model.arch import ArchConfig
 from tandem.model.causal_lm import CausalLM, Methods
 from tandem.model.layers import GatedMLP
-from tandem.model.linear import DENSE, GGUFMethod, Weight, dense
+from tandem.model.linear import DENSE, Weight
 from tandem.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tandem.model.moe import SparseMoE
 from tandem.model.quant import QuantizedWeight
@@ -75,21 +75,6 @@ def per_expert(weights: dict[str, Weight], arch: ArchConfig) -> dict[str, Weight
     return out
 
 
-def _put(dest: torch.Tensor, parts: list[Weight], method: Any) -> None:
-    """Parts one after another into dest's rows, as the slot holds them: their blocks where it is held as
-    stored (GGUFMethod), else dense."""
-    row = 0
-    for p in parts:
-        if isinstance(method, GGUFMethod):
-            if not (isinstance(p, QuantizedWeight) and p.fmt == method.fmt):
-                raise ValueError(f"experts held as {method.fmt.name} got other weights")
-            t = p.data
-        else:
-            t = dense(p)
-        dest[row:row + t.shape[0]].copy_(t)
-        row += t.shape[0]
-
-
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, methods: Methods, layer: int) -> None:
         super().__init__(cfg, dtype, methods, layer)
@@ -139,12 +124,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                     if names[0] not in weights:
                         continue
                     gate, up, down = (weights.pop(n) for n in names)
-                    if kind == "weight":
-                        _put(slots["w13"][j], [gate, up], moe.method13)
-                        _put(slots["w2"][j], [down], moe.method2)
+                    if kind == "weight":  # as each stack is held: the file's blocks, or dense
+                        moe.method13.fill(slots["w13"][j], [gate, up])
+                        moe.method2.fill(slots["w2"][j], [down])
                     else:
-                        _put(slots["b13"][j], [gate, up], DENSE)
-                        _put(slots["b2"][j], [down], DENSE)
+                        DENSE.fill(slots["b13"][j], [gate, up])
+                        DENSE.fill(slots["b2"][j], [down])
             for name, t in slots.items():  # loaded already: the parameter itself, which copy_ skips
                 weights[f"{pre.removesuffix('experts.')}{name}"] = t
         super().load_weights(weights)
