@@ -124,6 +124,9 @@ def test_structured_output_and_errors(server, client) -> None:  # noqa: ANN001
                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                          "input"),
                         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+                        # A call's arguments sent back must be a JSON object's text (schemathesis found a 500).
+                        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "user"},
+                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}]}, "input"),
                         ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text")):
         r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)

@@ -42,6 +42,20 @@ Text = Annotated[str, AfterValidator(_encodable)]
 Texts = Annotated[str | list[str], AfterValidator(_encodable)]
 
 
+def _json_object_text(v: str) -> str:
+    try:
+        ok = isinstance(json.loads(v), dict)
+    except json.JSONDecodeError:
+        ok = False
+    if not ok:
+        raise ValueError("a tool call's arguments must be a JSON object (as text)")
+    return v
+
+
+# A tool call's arguments as a client sends back what the API returned: a JSON object's text.
+ArgumentsText = Annotated[Text, AfterValidator(_json_object_text)]
+
+
 class RequestBody(BaseModel):
     """A JSON object of a request. Fields no model declares are accepted, as vLLM accepts them, and
     kept only so that unknown_fields can name them: nothing else reads them."""
@@ -300,18 +314,7 @@ class NamedToolChoice(RequestBody):
 
 class CalledFunction(RequestBody):
     name: Text
-    arguments: Text  # JSON text, as the API returned it
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            ok = isinstance(json.loads(v), dict)
-        except json.JSONDecodeError:
-            ok = False
-        if not ok:
-            raise ValueError("a tool call's arguments must be a JSON object (as text)")
-        return v
+    arguments: ArgumentsText
 
 
 class MessageToolCall(RequestBody):

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
-from tandem.serve.protocol import INT32, RequestBody, Text, _finite
+from tandem.serve.protocol import INT32, ArgumentsText, RequestBody, Text, _finite
 
 
 class ContentText(RequestBody):
@@ -44,7 +44,7 @@ class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     call_id: Text
     name: Text
-    arguments: Text
+    arguments: ArgumentsText
     id: str | None = None
     status: str | None = None
 
