@@ -119,8 +119,9 @@ def test_int8_kv_outputs_under_chunking_caching_and_preemption(make_llm, passage
     rows, is exact: test_disagg_handoff). A broken int8 path parts at the first token or two."""
     prompts = [passages[i][:600] + " Summarise this in one line." for i in range(4)]
     whole = make_llm(dtype="float32", kv_cache_dtype="int8", enable_prefix_caching=False)
-    # 64-token chunks; 24 blocks hold 384 tokens, so four prompts of ~150 tokens preempt each other.
-    squeezed = make_llm(dtype="float32", kv_cache_dtype="int8", max_num_batched_tokens=64, num_blocks=24)
+    # 64-token chunks; 28 blocks hold the four ~100-token prompts (7 blocks each) but not their replies'
+    # next blocks: one is preempted mid-reply and computed again.
+    squeezed = make_llm(dtype="float32", kv_cache_dtype="int8", max_num_batched_tokens=64, num_blocks=28)
     reference = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY)]
     first = [o.outputs[0].token_ids for o in squeezed.generate(prompts, GREEDY)]
     again = [o.outputs[0].token_ids for o in squeezed.generate(prompts, GREEDY)]  # prefix-cache hits now

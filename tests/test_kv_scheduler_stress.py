@@ -141,6 +141,34 @@ def test_preemption_under_pressure_never_deadlocks() -> None:
     assert scheduler.num_preemptions > 0
 
 
+def test_a_prompt_that_does_not_fit_beside_the_running_ones_waits_instead_of_being_computed_twice() -> None:
+    """A long prompt arriving while a short request decodes: started in chunks, it would run the pool
+    dry part-way and be preempted (its computed chunks thrown away, 18 times on one test's batch).
+    It waits until the pool can hold all of it, then computes each token once."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=16,
+                          enable_prefix_caching=False), 40, 1024)
+    scheduler.add_request(Request("short", list(range(100)), SamplingParams(max_tokens=60, ignore_eos=True)))
+    scheduler.add_request(Request("long", list(range(1, 601)), SamplingParams(max_tokens=4, ignore_eos=True)))
+    computed: Counter = Counter()
+    waited = 0
+    for _ in range(500):
+        out = scheduler.schedule()
+        for s in out.scheduled:
+            computed[s.request.request_id] += s.num_new_tokens
+        waited += "long" in scheduler.requests and not any(s.request.request_id == "long" for s in out.scheduled)
+        sampled = {s.request.request_id: [5] for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens}
+        scheduler.update_from_output(out, sampled)
+        check_invariants(scheduler)
+        if not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished() and scheduler.num_preemptions == 0
+    assert waited > 0  # it did wait for the short request
+    # Each token computed once: the prompt, then one a step for every output but the last.
+    assert computed == {"short": 100 + 59, "long": 600 + 3}
+    assert scheduler.kv.pool.num_free_blocks == 40
+
+
 def test_block_events_stored_and_removed() -> None:
     scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, enable_kv_events=True), 6, 24)
     scheduler.add_request(Request("a", list(range(9)), SamplingParams(max_tokens=1)))

@@ -4,7 +4,9 @@ Every step each request gets a number of new tokens to compute. A running reques
 and another's decode token share one forward pass. Running requests are served first (in
 arrival order), so a long prompt never stalls anyone's stream; waiting requests fill what budget
 is left. When the pool runs dry the newest running request is preempted (its blocks are freed and
-it is recomputed later), which always lets the oldest one progress: no deadlock, no OOM.
+it is recomputed later), which always lets the oldest one progress: no deadlock, no OOM. A waiting
+prompt starts only when the pool could hold all of it (or nobody runs), so preemption is left to
+replies that outgrow the pool, not prompts started too early.
 
 KV that comes from outside the pool (a store hit, a disaggregated prefill's output) comes through
 the KV connector: the scheduler asks it how many tokens beyond the pool's prefix hits it can bring,
@@ -281,6 +283,11 @@ class Scheduler:
                 if self._start_load(request, hits, num_hit_tokens, num_external):
                     self.waiting.pop(request.tenant)  # it is its tenant's head
                 return 0
+        if self.running and not self.kv.could_hold(request, hits):
+            # Started now, its later chunks would run the pool dry and be preempted (their KV thrown
+            # away and computed again): it waits until the running requests leave room for all of it.
+            # Alone, it starts whatever its size.
+            return 0
         num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, self._chunk_cap)
         if num_new > cap:
             if not self.config.enable_chunked_prefill:

@@ -144,6 +144,13 @@ class KVCacheManager:
         return True
 
     # -- allocation ---------------------------------------------------------------------------
+    def could_hold(self, request: KVRequest, hits: list[KVBlock]) -> bool:
+        """Whether the pool could hold all of a waiting request's tokens (its prompt, and a resumed
+        one's output) beside what it holds now: free blocks and retained conversations (which give
+        way to an allocation) count, and so do the request's hits."""
+        need = cdiv(request.num_tokens, self.block_size) - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks + self._num_retained
+
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None,
                        num_lookahead_tokens: int = 0, defer_caching: bool = False) -> list[KVBlock] | None:
