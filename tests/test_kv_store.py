@@ -173,6 +173,17 @@ def test_aborts_during_loads_leak_nothing(tiny: Path, shm_path: str) -> None:
     core.close()
 
 
+def run_together(codes: list[str], envs: list[dict[str, str]] | None = None) -> list[str]:
+    """Run Python programs as separate processes at the same time (each is mostly one core's import
+    and load); their standard outputs, in order."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for code, env in zip(codes, envs or [None] * len(codes), strict=True)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    return [out for out, _ in outs]
+
+
 def keys_code(path: Path, algo: str, kv_cache_dtype: str = "auto") -> str:
     """A program that prints the block keys an engine on path gives a salted 20-token prompt."""
     return ("import sys, torch\n"
@@ -193,28 +204,22 @@ def keys_code(path: Path, algo: str, kv_cache_dtype: str = "auto") -> str:
 def test_block_keys_are_equal_in_another_process(tiny: Path, algo: str) -> None:
     """Keys carry the model's fingerprint and the block size; a router or another worker gets the same."""
     code = keys_code(tiny, algo)
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)]
-    assert runs[0] == runs[1] and len(eval(runs[0])) == 5
     other = build("qwen2", tiny.parent)[0]  # other weights: other keys
-    code_other = code.replace(str(tiny), str(other))
-    assert subprocess.run([sys.executable, "-c", code_other], capture_output=True, text=True,
-                          check=True).stdout != runs[0]
+    *runs, run_other = run_together([code, code, code.replace(str(tiny), str(other))])
+    assert runs[0] == runs[1] and len(eval(runs[0])) == 5
+    assert run_other != runs[0]
 
 
 @pytest.mark.parametrize("algo", ["builtin", "sha256"])
 def test_int8_cache_keys_are_equal_under_any_hash_seed(tiny: Path, algo: str) -> None:
     """An int8 cache's keys carry its layout's name, a str: they must not follow PYTHONHASHSEED, and
     must still differ from a float cache's (other bytes, never each other's hits)."""
-    def keys(kv_cache_dtype: str, seed: int) -> list[int]:
-        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
-        out = subprocess.run([sys.executable, "-c", keys_code(tiny, algo, kv_cache_dtype)], capture_output=True,
-                             text=True, check=True, env=env).stdout
-        return ast.literal_eval(out)
-
-    int8 = keys("int8", 1)
-    assert len(int8) == 5 and keys("int8", 2) == int8
-    assert set(keys("auto", 1)).isdisjoint(int8)
+    runs = (("int8", 1), ("int8", 2), ("auto", 1))
+    int8, int8_again, float_keys = (ast.literal_eval(out) for out in run_together(
+        [keys_code(tiny, algo, kv_cache_dtype) for kv_cache_dtype, _ in runs],
+        [{**os.environ, "PYTHONHASHSEED": str(seed)} for _, seed in runs]))
+    assert len(int8) == 5 and int8_again == int8
+    assert set(float_keys).isdisjoint(int8)
 
 
 def test_mooncake_tier_through_the_engine(tiny: Path) -> None:
