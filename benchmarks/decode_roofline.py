@@ -72,8 +72,8 @@ def alternate(llm: LLM, batch: int, context: int, steps: int) -> dict[str, float
         native = i % 2 == 0
         model.native_layers = native
         core.step()
-        assert core.last_step.num_scheduled_tokens == batch
-        times[native].append(core.last_step.total_s)
+        assert core.meter.last_step.num_scheduled_tokens == batch
+        times[native].append(core.meter.last_step.total_s)
     model.native_layers = True
     assert model.native_steps - served == steps, "the stack did not serve every step it was given"
     core.abort(list(core.scheduler.requests))

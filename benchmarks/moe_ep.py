@@ -69,7 +69,7 @@ def run_one(name: str, batches: list[int], steps: int, prompt_len: int) -> dict:
             t0 = time.perf_counter()
             llm.engine.step()
             seconds = time.perf_counter() - t0
-            if core.last_step.num_scheduled_tokens == b:  # every request decoding
+            if core.meter.last_step.num_scheduled_tokens == b:  # every request decoding
                 times.append(seconds)
                 if comm_before is None and core.runner.comm is not None:
                     comm_before = dict(core.runner.comm.seconds)

@@ -117,7 +117,7 @@ def decode_step_times(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: 
     fwd, other = [], []
     for _ in range(steps):
         core.step()
-        s = core.last_step
+        s = core.meter.last_step
         assert s.num_scheduled_tokens == batch, f"expected a pure decode step, got {s.num_scheduled_tokens} tokens"
         fwd.append(s.runner.forward_s)
         other.append(s.total_s - s.runner.forward_s)

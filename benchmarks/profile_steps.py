@@ -52,7 +52,7 @@ def main() -> None:
 
     def step() -> None:
         core.step()
-        s = core.last_step
+        s = core.meter.last_step
         rows.append((s.num_scheduled_tokens, s.num_requests, s.total_s))
 
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """What a decode step costs on the host, per scheduled request: the scheduler's schedule(), the runner's
 batch packing (input ids, positions, slots, block tables: everything before the forward pass) and
-update_from_output, measured on the engine as it runs (EngineCore.last_step), excluding the model's
+update_from_output, measured on the engine as it runs (EngineCore.meter.last_step), excluding the model's
 forward pass and the sampler.
 
     .venv/bin/python benchmarks/step_host_cost.py                      # batches 1, 32, 128 at context ~256
@@ -41,7 +41,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> dic
     parts: dict[str, list[float]] = {"schedule": [], "prepare": [], "update": [], "forward": [], "sample": []}
     for _ in range(steps):
         core.step()
-        s = core.last_step
+        s = core.meter.last_step
         assert s.num_requests == batch, (s.num_requests, batch)
         for name, value in (("schedule", s.schedule_s), ("prepare", s.runner.prepare_s), ("update", s.update_s),
                             ("forward", s.runner.forward_s), ("sample", s.runner.sample_s)):

@@ -9,20 +9,21 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from server_utils import running_server
+from conftest import DEFAULT_SERVER
 
 from tandem.cli import main
 
 
 @pytest.mark.slow
-def test_bench_serve_against_tandem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with running_server("--kv-cache-memory", "0.5", "--max-num-batched-tokens", "256") as server:
-        common = ["--base-url", server.url, "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-                  "--ignore-eos", "--random-input-len", "32", "--random-output-len", "8"]
-        assert main(["bench", "serve", *common, "--num-prompts", "8", "--result-filename", "cmpl.json",
-                     "--goodput", "ttft:60000", "--num-warmups", "1", "--report", str(tmp_path / "cmpl.html")]) == 0
-        assert main(["bench", "serve", *common, "--backend", "openai-chat", "--num-prompts", "4",
-                     "--max-concurrency", "2", "--result-filename", "chat.json"]) == 0
+def test_bench_serve_against_tandem(tmp_path: Path, capsys: pytest.CaptureFixture[str], shared_server) -> None:  # noqa: ANN001
+    """Against the session's default server (the shipped defaults)."""
+    server = shared_server(*DEFAULT_SERVER)
+    common = ["--base-url", server.url, "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+              "--ignore-eos", "--random-input-len", "32", "--random-output-len", "8"]
+    assert main(["bench", "serve", *common, "--num-prompts", "8", "--result-filename", "cmpl.json",
+                 "--goodput", "ttft:60000", "--num-warmups", "1", "--report", str(tmp_path / "cmpl.html")]) == 0
+    assert main(["bench", "serve", *common, "--backend", "openai-chat", "--num-prompts", "4",
+                 "--max-concurrency", "2", "--result-filename", "chat.json"]) == 0
     assert main(["bench", "compare", str(tmp_path / "cmpl.json"), str(tmp_path / "chat.json"),
                  "--report", str(tmp_path / "both.html")]) == 0
     out = capsys.readouterr().out

@@ -102,12 +102,12 @@ def test_the_simulated_scheduler_decides_as_the_engine_did(make_llm):
     shared = rng.integers(2, 4000, 64).tolist()
     specs = [(shared + rng.integers(2, 4000, n).tolist(), out) for n, out in
              [(40, 30), (120, 20), (10, 40), (70, 25), (5, 60), (90, 10), (33, 33), (150, 5)]]
-    core.step_log = log = []
+    core.meter.step_log = log = []
     for i, (ids, out) in enumerate(specs):
         core.add_request(Request(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)))
     while core.has_unfinished():
         core.step()
-    core.step_log = None
+    core.meter.step_log = None
     engine_steps = [[(rid, n) for rid, n, _, _ in s.scheduled] for s in log]
     assert core.scheduler.num_preemptions > 0, "the pool must be small enough to preempt"
 

@@ -25,6 +25,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts
 from tandem.engine.speed import SpeedTracker, StepSpeed
 from tandem.engine.step import SchedulerOutput, SchedulerStats
+from tandem.engine.step_meter import StepMeter
 from tandem.engine.structured import Grammars, StructuredState
 from tandem.kv.block_pool import BlockEvent
 from tandem.logs import startup
@@ -57,27 +58,6 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class LoggedStep:
-    """One step as scheduled and timed: what a simulator replays and a cost model is fitted to."""
-
-    scheduled: list[tuple[str, int, int, bool]]  # (request id, new tokens, tokens computed before, sampled)
-    seconds: float
-
-
-@dataclass
-class StepStats:
-    num_scheduled_tokens: int = 0
-    num_requests: int = 0
-    schedule_s: float = 0.0
-    update_s: float = 0.0
-    runner: StepTimings = field(default_factory=StepTimings)
-
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.update_s + self.runner.prepare_s + self.runner.forward_s + self.runner.sample_s
 
 
 def kv_block_nbytes(config: EngineConfig, model: CausalLM) -> int:
@@ -135,17 +115,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    self.block_key_extra)
         self.spec = self._spec_decoder(config)
-        self.last_step = StepStats()
-        self.step_log: list[LoggedStep] | None = None  # a list: every step is recorded into it
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        # Time of steps with prompt chunks and their prompt tokens: what admission control divides.
-        self.prompt_busy_s = 0.0
-        self.num_computed_prompt_tokens = 0
-        # Time and count of steps that decoded: the time between two tokens of a running request.
-        self.decode_busy_s = 0.0
-        self.num_decode_steps = 0
-        self.speed: SpeedTracker | None = None  # profiled when serving (profile_speed): admission predicts from it
+        self.meter = StepMeter()
         startup.info("KV pool: %.2f GiB = %d tokens (%d blocks of %d; %s, %d bytes a token), max_model_len %d",
                      self.runner.kv_pool.nbytes / 2**30,
                      num_blocks * config.cache.block_size, num_blocks, config.cache.block_size, layout.name,
@@ -180,7 +150,7 @@ class EngineCore:
                                                                  "decode_s"))))
         if stored:
             profile_step_cost(self.runner, [1, 16])  # the profile's warm-up: first passes create kernels
-        self.speed = SpeedTracker(speed)
+        self.meter.speed = SpeedTracker(speed)
         startup.info("step times%s: %s", " (as measured by an earlier start with this key)" if stored else "",
                      speed.describe())
         return speed
@@ -195,7 +165,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
-        self.num_prompt_tokens += request.num_prompt_tokens
+        self.meter.num_prompt_tokens += request.num_prompt_tokens
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -233,11 +203,9 @@ class EngineCore:
         if sched.is_empty:
             if self.connector.busy():  # KV on its way in: wait for it rather than spin
                 self.connector.wait(0.005)
-            self.last_step = StepStats(schedule_s=t1 - t0)
+            self.meter.idle(t1 - t0)
             return []
-        logged = None if self.step_log is None else [
-            (s.request.request_id, s.num_new_tokens, s.request.num_computed_tokens,
-             s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens) for s in sched.scheduled]
+        logged = self.meter.scheduled(sched)
         result, errors = self._execute_isolating_failures(sched)
         t2 = time.perf_counter()
         outputs = self._fail(sched, errors) if errors else []
@@ -257,7 +225,6 @@ class EngineCore:
                 s.request.prompt_logprobs.update(result.prompt_logprobs.get(s.request.request_id, []))
         changed = self.scheduler.update_from_output(sched, result.sampled)
         for r, new in changed:
-            self.num_generation_tokens += len(new)
             prompt_lps = None
             if r.sampling_params.prompt_logprobs is not None and not r.prompt_logprobs_sent and new and \
                     len(r.prompt_logprobs) == r.num_prompt_tokens - 1:  # scored here, every position
@@ -272,19 +239,10 @@ class EngineCore:
                 r.request_id, new, lps[:len(new)] if lps else [], r.status.finish_reason,
                 r.stop_reason, r.num_cached_tokens, r.num_preemptions, r.scheduled_time, r.first_token_time,
                 r.finish_time, prompt_logprobs=prompt_lps))
-        self.last_step = StepStats(sched.total_num_tokens, len(sched.scheduled), t1 - t0,
-                                   time.perf_counter() - t2, result.timings)
-        step_s = time.perf_counter() - t0
-        if logged is not None and self.step_log is not None:
-            self.step_log.append(LoggedStep(logged, step_s))
-        if prompt_tokens:
-            self.prompt_busy_s += step_s
-            self.num_computed_prompt_tokens += prompt_tokens
-        if prompt_tokens < sched.total_num_tokens:
-            self.decode_busy_s += step_s
-            self.num_decode_steps += 1
-        if self.speed is not None:
-            self.speed.observe(sched.total_num_tokens - prompt_tokens, prompt_tokens, step_s)
+        t3 = time.perf_counter()
+        step_s = t3 - t0
+        self.meter.record(sched, logged, prompt_tokens, sum(len(new) for _, new in changed), t1 - t0, t3 - t2,
+                          result.timings, step_s)
         if self.spec is not None:
             self._speculate(sched, result.sampled, drafts, errors, prompt_tokens, step_s)
         return outputs

@@ -94,7 +94,7 @@ def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
                     core.num_blocks, loaded.name, core.config.scheduler.max_num_seqs, core.block_key_extra,
                     cache.block_size, cache.prefix_caching_hash_algo, per_token * cache.block_size,
                     weight_bytes(loaded.model), per_token, weight_formats(loaded.model),
-                    core.speed.speed if core.speed is not None else None,
+                    core.meter.speed.speed if core.meter.speed is not None else None,
                     core.config.scheduler.contended_prefill_chunk)
 
 
@@ -102,14 +102,15 @@ def core_stats(core: EngineCore) -> CoreStats:
     s = core.stats()
     loads = core.runner.model.expert_loads()
     spec = core.spec.stats if core.spec is not None else None
+    m = core.meter
     return CoreStats(s.num_running, s.num_waiting, s.kv_usage, s.num_used_blocks, s.num_blocks,
-                     s.num_preemptions, s.prefix_queries, s.prefix_hits, core.num_prompt_tokens,
-                     core.num_generation_tokens, time.monotonic(), core.prompt_busy_s, core.num_computed_prompt_tokens,
+                     s.num_preemptions, s.prefix_queries, s.prefix_hits, m.num_prompt_tokens,
+                     m.num_generation_tokens, time.monotonic(), m.prompt_busy_s, m.num_computed_prompt_tokens,
                      core.connector.stats().get("tiers", {}), s.num_waiting_prompt_tokens,
-                     core.decode_busy_s, core.num_decode_steps, s.num_decoding,
+                     m.decode_busy_s, m.num_decode_steps, s.num_decoding,
                      *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
                        if spec else (0, 0, 0, [])),
-                     speed_factor=core.speed.factor if core.speed is not None else 1.0,
+                     speed_factor=m.speed.factor if m.speed is not None else 1.0,
                      expert_imbalance=[load.imbalance for load in loads if load.per_rank],
                      expert_rebalances=sum(load.rebalances for load in loads))
 

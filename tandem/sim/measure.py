@@ -19,8 +19,9 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.cpu_info import cpu_model_name
-from tandem.engine.core import EngineCore, LoggedStep
+from tandem.engine.core import EngineCore
 from tandem.engine.kv_layout import engine_kv_layout
+from tandem.engine.step_meter import LoggedStep
 from tandem.kv.pool import KVPool
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
 from tandem.sim.drive import run_prompts
