@@ -198,6 +198,9 @@ async def measure_unguarded(args: argparse.Namespace, base: str, p: Prompts) -> 
               "capacity": await run_phase(base, "capacity", [("A", args.capacity_clients, fresh(p.short, 100), out)],
                                           [], t)}
     rate = phases["capacity"].summary()["req_s"]
+    if not rate:  # a slow machine (float32 on 2 AVX2 cores): 128 streams of 256 + 64 tokens take longer than 30 s
+        raise SystemExit(f"no request finished within its {TIMEOUT_S:.0f} s timeout at {args.capacity_clients} "
+                         "clients: measure the capacity with fewer (--capacity-clients)")
     phases["1x"] = await run_phase(base, "1x load", [], [("A", rate, fresh(p.short, 1000), out)], t)
     phases["sustained"] = await run_phase(base, "0.7x load", [], [("A", 0.7 * rate, fresh(p.short, 2000), out)], t)
     return phases
