@@ -122,7 +122,8 @@ async def closed_loop(http: httpx.AsyncClient, cfg: EndpointConfig, tenant: str,
 async def open_loop(http: httpx.AsyncClient, cfg: EndpointConfig, tenant: str, prompts: list[str], out_len: int,
                     rate: float, until: float, phase: Phase, origin: float) -> None:
     """Poisson arrivals at rate per second, whatever the server answers: offered load."""
-    rng = np.random.default_rng(len(phase.records) + 1)
+    # Seeded per tenant: two tenants' arrivals at the same rate must not come in identical pairs.
+    rng = np.random.default_rng([len(phase.records) + 1, *tenant.encode()])
     tasks, i, t = [], 0, time.perf_counter()
     while True:
         t += rng.exponential(1 / rate)

@@ -156,46 +156,47 @@ def test_a_request_that_cannot_start_or_finish_within_its_timeout_is_refused() -
     assert "cannot finish within its timeout" in engine.refused[-1][1]
 
 
-def test_the_finish_rule_takes_the_measured_time_between_tokens_when_it_is_longer() -> None:
-    """A pure decode step of what is in flight says 10 ms a token; streams measured 300 ms between
-    tokens (the queue's prompt chunks share their steps): 64 tokens cannot finish in 10 s."""
-    from dataclasses import replace
-
+def test_two_tenants_prompts_share_a_step_of_their_capped_chunks() -> None:
+    """While tenants A and B both have prompts waiting, a step computes CONTENDED tokens of each (not the
+    whole budget): each request's first token is predicted as the engine then gives it. Predicting
+    every step at the full budget's cost, as before, came out about 3x late and refused ordinary load."""
     engine = FakeEngine()
-    assert engine.arrive("a", 100, 16)
-    load = engine.load("a")
-    deadlines = Deadlines(engine.shape, DEFAULT_SLO, 64)
-
-    def check(gap: float):  # noqa: ANN202
-        return check_admission(engine.settings, engine.shape.seats, replace(load, token_gap_s=gap), 1, 1, 100,
-                               5000.0, 10.0, deadlines)
-
-    assert check(0.0) is None and check(0.05) is None
-    refused = check(0.3)
-    assert refused is not None and "cannot finish within its timeout" in refused.message
+    for i in range(24):
+        assert engine.arrive("ab"[i % 2], 600, 16)
+    first = engine.flights[0]
+    while engine.flights:
+        engine.step()
+    # The first came alone: predicted at the whole budget, as nobody could know B would follow.
+    ratios = [(f.first_at - f.arrival) / f.predicted_ttft for f in engine.finished if f is not first]
+    assert len(ratios) == 23 and min(ratios) >= 0.85 and max(ratios) <= 1.15, ratios
 
 
 def test_an_admission_that_would_push_requests_in_flight_past_their_timeouts_is_refused() -> None:
-    """Ten streams decode with 50 tokens left at 0.5 s a token (25 s) and 26 s before their timeouts:
-    a new 2,000-token prompt (its chunks stall their steps) would make them all miss, so it is refused;
-    with 60 s left they have room and it is admitted. Without timeouts nothing is at stake."""
+    """Ten streams decode with 50 tokens left: a new 3,000-token prompt stalls their steps while it is
+    computed and adds a row to every step after, so streams whose timeout falls before their finish
+    with it (as the engine's arithmetic says) make it refused; with room to spare, or far past their
+    timeout whatever it does, it is admitted. Without timeouts nothing is at stake."""
     engine = FakeEngine()
     deadlines = Deadlines(engine.shape, DEFAULT_SLO, 16)
+    alone = 50 * engine.shape.step(10, 0)
+    chunk = engine.shape.budget - 10
+    stalled = 3000 / chunk * engine.shape.step(11, chunk) + 50 * engine.shape.step(11, 0)
 
     def check(time_left: float):  # noqa: ANN202
         rows = [(1, 0, 50, 10, 5.0, time_left)] * 10
-        load = Load(10, 0, 0, 0, 0, 0, [25.0] * 10, Flights.of(rows), 0, token_gap_s=0.5)
-        return check_admission(engine.settings, engine.shape.seats, load, 1, 1, 2000, 5000.0, 60.0, deadlines)
+        load = Load(10, 0, 0, 0, 0, 0, [alone] * 10, Flights.of(rows), 0)
+        return check_admission(engine.settings, engine.shape.seats, load, 1, 1, 3000, 5000.0, 60.0, deadlines)
 
-    refused = check(26.0)
+    refused = check((alone + stalled) / 2 * 1.1)
     assert refused is not None and "10 request(s) in flight miss their timeout" in refused.message
-    assert check(60.0) is None and check(float("inf")) is None
-    assert check(20.0) is None, "already past their timeout whatever it does: not a harm of this admission"
+    assert check(stalled * 1.2) is None and check(float("inf")) is None
+    assert check(alone * 0.6) is None, "far past their timeout whatever it does: not a harm of this admission"
+    assert check(alone * 0.95) is not None, "a little past already: still protected (the prediction may be early)"
 
 
 def test_overload_admits_nothing_predicted_or_seen_to_start_past_its_timeout() -> None:
     """Arrivals at about 10x what the engine serves, each with a 30 s timeout, for 40 s: many are
-    refused, and every admitted request starts (and finishes) within its timeout."""
+    refused, and every admitted request starts and finishes within its timeout."""
     engine = FakeEngine(seats=8)
     rng = np.random.default_rng(0)
     t = 0.0
@@ -209,7 +210,7 @@ def test_overload_admits_nothing_predicted_or_seen_to_start_past_its_timeout() -
     assert any("timeout" in message for _, message in engine.refused)
     for f in engine.finished:
         assert f.predicted_ttft <= 30.0
-        assert f.first_at - f.arrival <= 30.0 and f.done_at - f.arrival <= 30.0 * 1.1, \
+        assert f.first_at - f.arrival <= 30.0 and f.done_at - f.arrival <= 30.0, \
             (f.first_at - f.arrival, f.done_at - f.arrival)
 
 
@@ -271,14 +272,15 @@ def test_the_start_up_line_says_what_admission_does_in_each_deployment() -> None
 
 def test_a_tenant_beside_another_is_predicted_at_its_contended_chunk() -> None:
     """While B streams, the scheduler gives A's prompts at most 128 tokens a step, not the budget:
-    A's wait is predicted at that rate, so what it admits of A's 3,000-token prompts with a 30 s
-    timeout all start and finish in time (predicted at the full budget, most would not)."""
+    A's wait is predicted at that rate, so what it admits of A's 3,000-token prompts (3 a second,
+    about twice what 128 tokens a step computes) with a 30 s timeout all start and finish in time
+    (predicted at the full budget, most would not)."""
     engine = FakeEngine()
     assert engine.arrive("B", 20, 100_000)  # a long stream: B is in flight throughout
     rng = np.random.default_rng(2)
     t = 0.0
     while t < 30:
-        t += rng.exponential(1 / 2)
+        t += rng.exponential(1 / 3)
         engine.run_until(t)
         engine.arrive("A", 3000, 8, timeout=30.0)
     while any(f.tenant == "A" for f in engine.flights):

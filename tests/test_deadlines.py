@@ -46,10 +46,11 @@ def test_an_idle_server_predicts_its_own_prompt_and_one_decode_step() -> None:
 def test_the_first_token_waits_for_the_prompt_work_ahead_and_the_step_in_flight() -> None:
     queue = flights((1, 1000, 32, 0, 0.0), (1, 1000, 32, 0, 0.0))
     p = predict(ENGINE, SLO, queue, 1, 100, 32, 2000)
-    # No decodes yet; while the queue drains, half of its two requests decode: 255 prompt tokens a step.
+    # No decodes yet; while the queue drains, half of its two requests decode: 255 prompt tokens a step,
+    # and then its own 100 in a step.
     chunk = 256 - 1
     full = SPEED.step_s(1, chunk)
-    assert p.ttft_s == pytest.approx(SPEED.step_s(0, chunk) / 2 + 2100 / chunk * full)
+    assert p.ttft_s == pytest.approx(SPEED.step_s(0, chunk) / 2 + 2000 / chunk * full + SPEED.step_s(1, 100))
     fair = predict(ENGINE, SLO, queue, 1, 100, 32, 500)  # its tenant's share of the queue ahead of it
     assert fair.ttft_s < p.ttft_s
 
@@ -115,14 +116,23 @@ def test_an_idle_server_admits_even_when_its_profile_says_it_is_too_slow() -> No
     assert admit(flights(), 100, engine=slow) is None, "refusing on an idle server helps nobody"
 
 
-def test_the_live_factor_follows_measured_steps() -> None:
+def test_the_live_profile_follows_measured_steps_at_their_size() -> None:
     tracker = SpeedTracker(SPEED)
-    for _ in range(200):
-        tracker.observe(10, 100, 3 * SPEED.step_s(10, 100))
-    assert tracker.factor == pytest.approx(3.0, rel=0.01)
-    for _ in range(200):
-        tracker.observe(1, 0, 1000.0)
-    assert tracker.factor == pytest.approx(50.0, rel=0.01), "clamped: one stalled step is not the engine"
+    for _ in range(300):
+        tracker.observe(1, 0, 3 * SPEED.step_s(1, 0))  # one-row decode steps three times as slow as profiled
+    live = tracker.speed
+    assert live.step_s(1, 0) == pytest.approx(3 * SPEED.step_s(1, 0), rel=0.02)
+    assert live.step_s(101, 0) == pytest.approx(SPEED.step_s(101, 0)), "a size not measured keeps its profile"
+    decode, prompt = live.parts(1, 800)
+    for _ in range(300):  # prompt steps at twice the profile's prompt part
+        tracker.observe(1, 800, decode + 2 * prompt)
+    d2, p2 = tracker.speed.parts(1, 800)
+    assert d2 == pytest.approx(decode, rel=0.02), "the decode part taken as predicted"
+    assert p2 == pytest.approx(2 * prompt, rel=0.05)
+    for _ in range(300):
+        tracker.observe(101, 0, 1000.0)
+    assert tracker.speed.step_s(101, 0) == pytest.approx(50 * SPEED.step_s(101, 0), rel=0.01), \
+        "clamped: one stalled step is not the engine"
 
 
 def test_the_profile_never_has_a_bigger_pass_cost_less() -> None:
@@ -156,3 +166,30 @@ def test_first_tokens_later_than_predicted_make_the_next_predictions_later() -> 
     biased = check_admission(rules, 64, load_of(queue), 1, 1, 100, 5000.0, None,
                              Deadlines(ENGINE, SLO, 32, calibration.ttft))
     assert biased is not None and "TTFT deadline" in biased.message
+
+
+def test_the_engine_learns_the_time_from_one_step_to_the_next() -> None:
+    """The meter hands the speed tracker each step's start-to-next-start time while steps follow each
+    other (the core loop's own work and other processes included), not the step's own time; an idle
+    pause between two steps is not counted as a slow step."""
+    from tandem.engine.request import Request
+    from tandem.engine.runner import StepTimings
+    from tandem.engine.step import ScheduledRequest, SchedulerOutput
+    from tandem.engine.step_meter import StepMeter
+    from tandem.sampling_params import SamplingParams
+
+    meter = StepMeter()
+    meter.speed = SpeedTracker(SPEED)
+    rows = [ScheduledRequest(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8)), 1, []) for i in range(11)]
+    sched = SchedulerOutput(rows)
+    period = 3 * SPEED.step_s(11, 0)
+    t = 0.0
+    for _ in range(300):  # each step's own time as profiled, but the next one starts 3x later
+        meter.record(sched, None, 0, 11, 0.0, 0.0, StepTimings(), SPEED.step_s(11, 0), t)
+        t += period
+    assert meter.speed.speed.step_s(11, 0) == pytest.approx(period, rel=0.02)
+    learned = meter.speed.speed.step_s(11, 0)
+    meter.idle(0.0)
+    meter.record(sched, None, 0, 11, 0.0, 0.0, StepTimings(), SPEED.step_s(11, 0), t + 100.0)
+    meter.record(sched, None, 0, 11, 0.0, 0.0, StepTimings(), SPEED.step_s(11, 0), t + 100.0 + period)
+    assert meter.speed.speed.step_s(11, 0) == pytest.approx(learned, rel=0.01), "the idle pause is no step's"

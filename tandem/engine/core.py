@@ -242,7 +242,7 @@ class EngineCore:
         t3 = time.perf_counter()
         step_s = t3 - t0
         self.meter.record(sched, logged, prompt_tokens, sum(len(new) for _, new in changed), t1 - t0, t3 - t2,
-                          result.timings, step_s)
+                          result.timings, step_s, t0)
         if self.spec is not None:
             self._speculate(sched, result.sampled, drafts, errors, prompt_tokens, step_s)
         return outputs

@@ -46,8 +46,8 @@ class CoreStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
-    # How much longer steps take now than the start-up profile (CoreInfo.speed) says (engine/speed.py).
-    speed_factor: float = 1.0
+    # Its step times now: the start-up profile (CoreInfo.speed) as measured steps moved it (engine/speed.py).
+    speed: StepSpeed | None = None
     # Expert parallelism (model/moe.py): each sparse layer's max / mean rows per rank over its last
     # load window, and the placements EPLB made, all layers together.
     expert_imbalance: list[float] = field(default_factory=list)
@@ -110,7 +110,7 @@ def core_stats(core: EngineCore) -> CoreStats:
                      m.decode_busy_s, m.num_decode_steps, s.num_decoding,
                      *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
                        if spec else (0, 0, 0, [])),
-                     speed_factor=m.speed.factor if m.speed is not None else 1.0,
+                     speed=m.speed.speed if m.speed is not None else None,
                      expert_imbalance=[load.imbalance for load in loads if load.per_rank],
                      expert_rebalances=sum(load.rebalances for load in loads))
 

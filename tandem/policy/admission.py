@@ -13,6 +13,8 @@ Three modes (`--admission`), one set of rules for the single server and a cluste
 The wait is predicted from the engine's measured step times (deadlines.py, with the calibration from
 admitted requests' first tokens): a single server's start-up profile, or a cluster's workers' measured
 rates as one engine (latency.py fleet_shape); before either exists, from the measured prompt throughput.
+A request's last token, and those of the requests in flight with it admitted, are predicted from the
+same steps (deadlines.finish_times) and must come FINISH_MARGIN inside the timeouts.
 Prompt tokens the prefix cache holds are not counted as work (the caller passes uncached tokens).
 
 Fairness: the scheduler shares prompt compute between tenants, so a request waits behind its own
@@ -29,10 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandem.policy.deadlines import EngineShape, Flights, predict, predict_ttft, timeouts_missed
+from tandem.policy.deadlines import EngineShape, Flights, predict, predict_ttft, prompt_per_step, timeouts_missed
 from tandem.slo import Slo
 
 ADMISSION_MODES = ("queue", "slo", "off")
+# queue: a predicted last token must come this much before a timeout (predicted finish x margin <=
+# timeout): the step model leaves out the API process's own delays and the scheduler's rounding.
+FINISH_MARGIN = 1.25
 
 
 @dataclass
@@ -88,15 +93,16 @@ class Load:
     seat_free_s: list[float] = field(default_factory=list)
     flights: Flights | None = None  # each request in flight, for the deadline prediction
     other_tenants_active: int = 0  # tenants other than the caller's with requests in flight (waiting or decoding)
-    # The time between a stream's tokens as measured lately (0: none): prompt chunks of the queue share
-    # the steps a new request will decode in, which a pure decode step's time leaves out.
-    token_gap_s: float = 0.0
 
     def seat_wait(self, over: int) -> float:
         """How long until `over` more sequences than the seats have one (0: none wait; inf: never)."""
         if over <= 0:
             return 0.0
         return self.seat_free_s[over - 1] if over <= len(self.seat_free_s) else math.inf
+
+    def prompt_per_step(self, engine: EngineShape, decode_rows: float) -> float:
+        """Prompt tokens a step computes with this tenant's new request waiting (deadlines.prompt_per_step)."""
+        return prompt_per_step(engine, decode_rows, self.other_tenants_active > 0, 1 + self.other_tenants_waiting)
 
     @property
     def ahead_tokens(self) -> int:
@@ -181,7 +187,7 @@ def predict_wait(seats: int, load: Load, num_seqs: int, prompt_tokens: int, toke
     it and its own at the measured prompt rate."""
     if engine is not None and load.flights is not None:
         ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens,
-                            contended=load.other_tenants_active > 0)
+                            load.other_tenants_active > 0, 1 + load.other_tenants_waiting)
         return Wait(ttft, engine.step(min(load.in_flight + num_seqs, engine.seats), 0))
     seat_wait = load.seat_wait(load.in_flight + num_seqs - seats)
     return Wait(seat_wait + (load.ahead_tokens + prompt_tokens) / max(tokens_per_s, 1.0), None)
@@ -206,10 +212,10 @@ def _check_queue(settings: AdmissionSettings, seats: int, load: Load, num_seqs: 
         return Rejection(f"this request cannot start within its timeout ({timeout_s:g} s): its first token is "
                          f"predicted in {wait.ttft_s:.1f} s", retry)
     if deadlines is not None and deadlines.max_tokens_given and wait.tpot_s is not None:
-        # Its tokens come no faster than a decode step of everything in flight, nor than streams get
-        # theirs now (a busy engine mixes prompt chunks into the same steps).
-        tpot = max(wait.tpot_s, load.token_gap_s)
-        finish = wait.ttft_s + max(deadlines.max_tokens - 1, 0) * tpot
+        # It is queued last: the prompts ahead are computed by its first token, and then its tokens come
+        # a decode step of everything in flight apart (later arrivals are checked against it in turn:
+        # _check_harm).
+        finish = (wait.ttft_s + max(deadlines.max_tokens - 1, 0) * wait.tpot_s) * FINISH_MARGIN
         if finish > timeout_s:
             return Rejection(f"this request cannot finish within its timeout ({timeout_s:g} s): its "
                              f"{deadlines.max_tokens} tokens are predicted to take {finish:.1f} s", retry)
@@ -224,8 +230,8 @@ def _check_harm(load: Load, num_seqs: int, prompt_tokens: int, deadlines: Deadli
     engine = deadlines.engine if deadlines is not None else None
     if engine is None or load.flights is None:
         return None
-    tpot = max(engine.step(min(load.in_flight, engine.seats), 0), load.token_gap_s)
-    missed = timeouts_missed(engine, load.flights, num_seqs, prompt_tokens, tpot)
+    per_step = load.prompt_per_step(engine, min(load.in_flight, engine.seats))
+    missed = timeouts_missed(engine, load.flights, num_seqs, prompt_tokens, per_step, FINISH_MARGIN)
     if missed:
         return Rejection(f"admitting it would make {missed} request(s) in flight miss their timeout; retry later",
                          retry)

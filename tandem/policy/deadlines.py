@@ -2,20 +2,23 @@
 and TPOT SLOs without making a request already admitted miss one it would have met.
 
 The prediction is the scheduler's own arithmetic over the engine's measured step times
-(engine/speed.py: a start-up profile times a live factor; a cluster's router: its workers' measured
-rates as one engine, latency.py fleet_shape). Each step decodes every running sequence
-once and fills the rest of the token budget with prompt chunks in arrival order; so
-  - prompt work drains at (budget - decoding sequences) tokens per step, each step as long as
-    `step_s(decoding, chunk)`; while the waiting requests drain they join the decode batch (counted
-    at half of them on average);
+(engine/speed.py: a start-up profile kept true by every step's measured time; a cluster's
+router: its workers' measured rates as one engine, latency.py fleet_shape). Each step decodes every
+running sequence once and fills the rest of the token budget with prompt chunks in arrival order
+(while tenants contend, each takes at most contended_chunk tokens of it: prompt_per_step); so
+  - prompt work drains at prompt_per_step tokens a step, each step as long as
+    `step(decoding, those tokens)`; while the waiting requests drain they join the decode batch
+    (counted at half of them on average);
   - a new request's first token comes after the prompt work the scheduler puts ahead of it (its
-    tenant's fair share of the queue) and its own prompt, plus half the step in flight, plus the
-    wait for a sequence slot when all are taken (the soonest-finishing streams' tokens left);
+    tenant's fair share of the queue) and its own prompt at its tenant's share of a step, plus half
+    the step in flight, plus the wait for a sequence slot when all are taken (the soonest-finishing
+    streams' tokens left);
   - its prompt is a stall for every sequence that decodes while it is computed: each of them spends
-    min(its tokens left, the drain's steps) steps in full-budget steps and the rest in decode steps
-    of the bigger batch. A stream's predicted TPOT is (its time since its first token + that
-    future) over its token gaps; the new request's own is a decode step of the batch it joins
-    (requests arriving later are checked against it in turn).
+    min(its tokens left, the drain's steps) steps in full steps and the rest in decode steps of the
+    bigger batch (finish_times: when each request in flight has its last token; the queue mode
+    refuses an admission that pushes one past its timeout). A stream's predicted TPOT is (its time
+    since its first token + that future) over its token gaps; the new request's own is a decode step
+    of the batch it joins (requests arriving later are checked against it in turn).
 
 Light load predicts an idle server's TTFT and TPOT, far inside any SLO: nothing is refused then.
 An SLO the engine cannot meet even idle (a slow machine, another process on the cores, a long
@@ -35,6 +38,9 @@ from tandem.slo import Slo
 
 MIN_CHUNK = 16  # prompt tokens a step takes even with a full decode batch (the scheduler's floor)
 STRETCH = 2.0
+# A request in flight predicted past its timeout by more than this, whatever is admitted, is not
+# protected from new admissions (its timeout ends it); one less late still is.
+LOST_CAUSE = 1.5
 
 
 @dataclass
@@ -58,23 +64,23 @@ class Flights:
 
 
 class StepModel(Protocol):
-    """Seconds of one step: an engine's start-up profile (engine/speed.py StepSpeed), or a cluster's
-    workers' measured rates (latency.py RateSteps)."""
+    """Seconds of one step, as (its decode rows' part, its prompt tokens' part): an engine's start-up
+    profile (engine/speed.py StepSpeed), or a cluster's workers' measured rates (latency.py RateSteps)."""
 
-    def step_s(self, decode_rows: float, prompt_tokens: float) -> float: ...
+    def parts(self, decode_rows: float, prompt_tokens: float) -> tuple[float, float]: ...
 
 
 @dataclass(frozen=True)
 class EngineShape:
     speed: StepModel
-    factor: float  # the live correction (CoreStats.speed_factor)
+    factor: float  # a correction on every step (1: the step model is live already)
     budget: int  # max_num_batched_tokens
     seats: int  # max_num_seqs
     # A tenant's prompt tokens a step while another tenant has requests in flight (0: its share only).
     contended_chunk: int = 0
 
     def step(self, decode_rows: float, prompt_tokens: float) -> float:
-        return self.speed.step_s(decode_rows, prompt_tokens) * self.factor
+        return sum(self.speed.parts(decode_rows, prompt_tokens)) * self.factor
 
 
 @dataclass
@@ -124,47 +130,79 @@ def seat_wait(engine: EngineShape, flights: Flights, num_seqs: int, chunk: float
     return max(heapq.heappop(free) + offset for _ in range(num_seqs))
 
 
+def prompt_per_step(engine: EngineShape, decode_rows: float, contended: bool = False, sharing: int = 1) -> float:
+    """Prompt tokens a step computes while prompts wait: the token budget less the decode rows (at least
+    MIN_CHUNK). contended: another tenant has requests in flight, so each of the `sharing` tenants with
+    prompts waiting takes at most engine.contended_chunk tokens a step (the scheduler's cap,
+    engine/tenant_shares.py): two tenants' prompts share a step of 2 x 128 tokens, not the whole budget."""
+    chunk = max(engine.budget - decode_rows, MIN_CHUNK)
+    if contended and engine.contended_chunk:
+        return min(chunk, engine.contended_chunk * max(sharing, 1))
+    return chunk
+
+
 def predict_ttft(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, ahead_tokens: int,
-                 contended: bool = False) -> float:
-    """Half the step in flight, a seat, the prompt work ahead and its own prompt. contended: another
-    tenant has requests in flight, so this tenant's prompt work drains at most engine.contended_chunk
-    tokens a step (the scheduler's cap; the rest of a step is the others')."""
+                 contended: bool = False, sharing: int = 1) -> float:
+    """Half the step in flight, a seat, the prompt work ahead (ahead_tokens, of all tenants) at
+    prompt_per_step tokens a step, and its own prompt at its tenant's share of a step (contended,
+    sharing: as there; the other tenants' shares fill the same steps)."""
     waiting = flights.prompt_tokens > 0
     decoding = (~waiting) & (flights.tokens_left > 0)
     d0 = float(flights.num_seqs[decoding].sum())
     queued = float(flights.prompt_tokens[waiting].sum())
     mid = min(d0 + float(flights.num_seqs[waiting].sum()) / 2, engine.seats)
-    chunk = max(engine.budget - mid, MIN_CHUNK)
-    work = min(ahead_tokens, queued) + prompt_tokens
-    own = min(chunk, engine.contended_chunk) if contended and engine.contended_chunk else chunk
-    # A step takes the whole chunk (the other tenants' share too) but this tenant's work moves by `own`.
-    drain = engine.step(mid, work) if work <= own else work / own * engine.step(mid, chunk)
-    in_flight_step = engine.step(d0, min(queued, chunk)) / 2 if d0 or queued else 0.0
-    wait = seat_wait(engine, flights, num_seqs, chunk, engine.step(mid, chunk))
+    per_step = prompt_per_step(engine, mid, contended, sharing)
+    own = per_step if not (contended and engine.contended_chunk) else min(per_step, engine.contended_chunk)
+    full = engine.step(mid, per_step)
+    ahead = min(ahead_tokens, queued)
+    ahead_s = ahead / per_step * full if ahead > per_step else engine.step(mid, ahead) if ahead > 0 else 0.0
+    own_s = (prompt_tokens / own * full if prompt_tokens > own else
+             engine.step(mid, min(per_step, prompt_tokens + own * (max(sharing, 1) - 1))))
+    in_flight_step = engine.step(d0, min(queued, per_step)) / 2 if d0 or queued else 0.0
+    wait = seat_wait(engine, flights, num_seqs, per_step, full)
     # A seat frees after the prompts ahead are computed: its own prompt follows the later of the two.
-    ahead_s = drain - (engine.step(mid, prompt_tokens) if prompt_tokens <= own else
-                       prompt_tokens / own * engine.step(mid, chunk))
-    return in_flight_step + max(wait, ahead_s) + (drain - ahead_s)
+    return in_flight_step + max(wait, ahead_s) + own_s
 
 
-def timeouts_missed(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int,
-                    tpot_s: float) -> int:
-    """Requests in flight predicted to finish within their timeout now and past it with a new request
-    of num_seqs sequences and prompt_tokens admitted: its rows make every decode step longer and its
-    prompt stalls them once. tpot_s: the time between tokens now (the larger of a decode step of
-    everything in flight and what streams measured). Each request's finish: its prompt's turn in the
-    queue (arrival order, the step's prompt chunk a full step), then its tokens left at tpot_s."""
+def finish_times(engine: EngineShape, flights: Flights, per_step: float) -> np.ndarray:
+    """Seconds until each request in flight has its last token. The waiting prompts are computed in
+    arrival order, per_step tokens a step, in steps that also decode every running sequence; then
+    the steps decode alone. So a request's first token comes after the prompts up to its own, and
+    each of its tokens after that takes a full step while prompts behind it remain, a decode step
+    once they are done."""
+    rows = min(float(flights.num_seqs.sum()), engine.seats)
+    full, decode = engine.step(rows, per_step), engine.step(rows, 0)
+    waiting = flights.prompt_tokens > 0
+    first = np.where(waiting, np.cumsum(flights.prompt_tokens) / per_step, 0.0)  # full steps to its first token
+    drain = float(flights.prompt_tokens.sum()) / per_step
+    left = np.maximum(flights.tokens_left - waiting, 0)
+    in_full = np.minimum(left, np.maximum(drain - first, 0.0))
+    return first * full + in_full * full + (left - in_full) * decode
+
+
+def with_request(flights: Flights, num_seqs: int, prompt_tokens: int, max_tokens: int) -> Flights:
+    """The flights with a new request queued last."""
+    def grow(a: np.ndarray, value: float) -> np.ndarray:
+        return np.append(a, value)
+
+    return Flights(grow(flights.num_seqs, num_seqs), grow(flights.prompt_tokens, max(prompt_tokens, 1)),
+                   grow(flights.tokens_left, max_tokens), grow(flights.tokens_done, 0), grow(flights.decode_s, 0.0),
+                   grow(flights.time_left, np.inf) if flights.time_left is not None else None)
+
+
+def timeouts_missed(engine: EngineShape, flights: Flights, num_seqs: int, prompt_tokens: int, per_step: float,
+                    margin: float = 1.0) -> int:
+    """Requests in flight predicted past their timeout with a new request of num_seqs sequences and
+    prompt_tokens admitted (finish_times, each time x margin): its rows make every step longer and its
+    prompt adds full steps for everyone still decoding while it is computed. One predicted past it
+    already counts too, unless by more than LOST_CAUSE: exempting every one already past let a burst
+    admitted to the edge of its timeouts, then a little slower than predicted, take more and more
+    arrivals while all of it timed out (benchmarks/hostile_traffic.py at 10x load)."""
     if flights.time_left is None or not len(flights.num_seqs) or not np.isfinite(flights.time_left).any():
         return 0
-    rows = min(float(flights.num_seqs.sum()), engine.seats)
-    grown = engine.step(min(rows + num_seqs, engine.seats), 0) / max(engine.step(rows, 0), 1e-9)
-    stall = max(engine.step(rows, prompt_tokens) - engine.step(rows, 0), 0.0)
-    waiting = flights.prompt_tokens > 0
-    chunk = max(engine.budget - rows, MIN_CHUNK)
-    starts = np.where(waiting, np.cumsum(flights.prompt_tokens) / chunk * engine.step(rows, chunk), 0.0)
-    now = starts + flights.tokens_left * tpot_s
-    later = starts + flights.tokens_left * tpot_s * max(grown, 1.0) + stall
-    return int(np.sum((now <= flights.time_left) & (later > flights.time_left)))
+    now = finish_times(engine, flights, per_step) * margin
+    later = finish_times(engine, with_request(flights, num_seqs, prompt_tokens, 1), per_step)[:-1] * margin
+    return int(np.sum((now <= flights.time_left * LOST_CAUSE) & (later > flights.time_left)))
 
 
 class Calibration:

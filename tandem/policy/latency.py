@@ -109,8 +109,8 @@ class RateSteps:
     prefill_tok_s: float
     decode_step_s: float
 
-    def step_s(self, decode_rows: float, prompt_tokens: float) -> float:
-        return (self.decode_step_s if decode_rows > 0 else 0.0) + max(prompt_tokens, 0.0) / self.prefill_tok_s
+    def parts(self, decode_rows: float, prompt_tokens: float) -> tuple[float, float]:
+        return self.decode_step_s if decode_rows > 0 else 0.0, max(prompt_tokens, 0.0) / self.prefill_tok_s
 
 
 def fleet_shape(prompt: list[Speed], decode: list[Speed], budget: int, seats: int,

@@ -58,8 +58,8 @@ class EngineLoad:
         as a cluster's router is not: its workers differ and its path choice predicts per worker)."""
         if self.info is None or self.info.speed is None:
             return None
-        factor = self.stats.speed_factor if self.stats is not None else 1.0
-        return EngineShape(self.info.speed, factor, self.step_budget, self.info.max_num_seqs,
+        live = self.stats.speed if self.stats is not None else None
+        return EngineShape(live or self.info.speed, 1.0, self.step_budget, self.info.max_num_seqs,
                            self.info.contended_prefill_chunk)
 
     def _block_keys(self, prompt_ids: list[int], salt: str | None) -> list[int]:
@@ -110,4 +110,4 @@ class EngineLoad:
                 else:
                     others.add(s.tenant)
         return Load(in_flight, waiting, queued, tenant_waiting, tenant_queued, len(others), sorted(frees),
-                    Flights.of(rows), len(active), self.token_gap_s if in_flight else 0.0)
+                    Flights.of(rows), len(active))
