@@ -9,8 +9,8 @@ Kernels, each on weights well past the last-level cache (a layer's matrices are 
 call finds its weight in cache):
   q8        gguf_linear_q8: int8 activations (K-quants per 256, llama.cpp's arithmetic)
   float     gguf_linear: the blocks dequantized in registers, float activations
-  bf16      small_batch_linear on the same matrix dequantized to bfloat16 (what `auto` serves
-            in bfloat16 today): 3.6x the bytes of Q4_K
+  dense     small_batch_linear on the same matrix dequantized to bfloat16 (what `auto` serves
+            in bfloat16): 3.6x the bytes of Q4_K; without AVX512-BF16, F.linear on it in float32
 Formats as llama.cpp's Q4_K_M puts them: Q4_K for most matrices, Q6_K for the output layer (and
 half of attn_v / ffn_down), plus Q4_0 and Q8_0. Random blocks with valid scales: speed only.
 Results: benchmarks/results/quant_gemv.json.
@@ -93,6 +93,7 @@ def main() -> None:
     bw = bandwidth()
     console.print(f"streaming read: {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
     rows_list = [int(r) for r in args.rows.split(",")]
+    bf16 = "bf16" in (extension.extension_isa() or "")
     results = []
     for model in args.models.split(","):
         for fmt_name, layers in FORMATS.items():
@@ -103,37 +104,47 @@ def main() -> None:
                 qbytes = n * k // fmt.block_weights * fmt.block_bytes
                 first = random_blocks(fmt, n, k, 0)
                 qs = cycled(lambda i, first=first: first.clone(), qbytes)
-                dense = torch.ops.tandem.gguf_dequantize(first, fmt.ggml_type, k).to(torch.bfloat16)
-                one = torch.ops.tandem.pack_linear_weight(dense)
-                del dense
-                packed = cycled(lambda i, one=one: one.clone(), 2 * n * k)
+                dense = torch.ops.tandem.gguf_dequantize(first, fmt.ggml_type, k)
+                if bf16:
+                    one = torch.ops.tandem.pack_linear_weight(dense.to(torch.bfloat16))
+                    del dense
+                    dense_bytes = 2 * n * k
+                    packed = cycled(lambda i, one=one: one.clone(), dense_bytes)
+                else:  # no AVX512-BF16: the dense form is float32 (what `auto` serves here), through F.linear
+                    one, dense_bytes = dense, 4 * n * k
+                    packed = cycled(lambda i, one=one: one.clone(), dense_bytes)
                 for rows in rows_list:
-                    x = torch.randn(rows, k, dtype=torch.bfloat16)
+                    x = torch.randn(rows, k, dtype=torch.bfloat16 if bf16 else torch.float32)
+                    dense_call = ((lambda x, w, n=n: torch.ops.tandem.small_batch_linear(x, w, None, n)) if bf16
+                                  else (lambda x, w: torch.nn.functional.linear(x, w)))
                     rates = {
                         "q8": kernel_rate(qs, lambda x, w, fmt=fmt, k=k: torch.ops.tandem.gguf_linear_q8(
                             x, w, fmt.ggml_type, k, None), x, qbytes),
                         "float": kernel_rate(qs, lambda x, w, fmt=fmt, k=k: torch.ops.tandem.gguf_linear(
                             x, w, fmt.ggml_type, k, None), x, qbytes),
-                        "bf16": kernel_rate(packed, lambda x, w, n=n: torch.ops.tandem.small_batch_linear(
-                            x, w, None, n), x, 2 * n * k),
+                        "dense": kernel_rate(packed, dense_call, x, dense_bytes),
                     }
                     results.append({"model": model, "format": fmt_name, "layer": name, "shape": [n, k],
                                     "rows": rows, "weight_bytes": qbytes, "bytes_per_s": rates,
                                     "of_bandwidth": {key: v / bw for key, v in rates.items()},
                                     "seconds": {"q8": qbytes / rates["q8"], "float": qbytes / rates["float"],
-                                                "bf16": 2 * n * k / rates["bf16"]}})
+                                                "dense": dense_bytes / rates["dense"]}})
                 del qs, packed, one, first
+    dense = "bf16" if bf16 else "f32"
     table = Table(title=f"weight bytes/s over the streaming read ({bw / 1e9:.1f} GB/s); time per call, ms")
-    for col in ("model", "format", "layer", "rows", "q8", "float", "bf16 (dequantized)", "q8 ms", "bf16 ms"):
+    for col in ("model", "format", "layer", "rows", "q8", "float", f"{dense} (dequantized)", "q8 ms", "float ms",
+                f"{dense} ms"):
         table.add_column(col, justify="right")
     for r in results:
         f, s = r["of_bandwidth"], r["seconds"]
         table.add_row(r["model"], r["format"], r["layer"], str(r["rows"]), f"{f['q8']:.0%}", f"{f['float']:.0%}",
-                      f"{f['bf16']:.0%}", f"{s['q8'] * 1e3:.2f}", f"{s['bf16'] * 1e3:.2f}")
+                      f"{f['dense']:.0%}", f"{s['q8'] * 1e3:.2f}", f"{s['float'] * 1e3:.2f}",
+                      f"{s['dense'] * 1e3:.2f}")
     console.print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                   "isa": extension.extension_isa(), "threads": torch.get_num_threads(),
+                                   "isa": extension.extension_isa(), "dense": dense,
+                                   "threads": torch.get_num_threads(),
                                    "bandwidth_bytes_per_s": bw, "results": results}, indent=1))
 
 
