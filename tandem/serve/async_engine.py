@@ -169,10 +169,13 @@ class EngineClient(EngineLoad):
         work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
         self.sent_blocks.predict(LOCAL, keys)
         now = time.monotonic()
+        # Admission keeps a request's last token within its timeout only when it named max_tokens: one
+        # that runs until the context is full would be predicted at the whole context, and protecting
+        # that guess would refuse every arrival (its real length is unknown, as the finish rule says).
         stream = Stream(tenant=tenant, prompt_tokens=work, num_seqs=len(requests),
                          tokens_left=min(params.max_tokens or limit, limit), requests=requests,
                          created=now, predicted_ttft_s=self._predicted_ttft(tenant, work, len(requests)),
-                         deadline=now + timeout if timeout is not None else float("inf"))
+                         deadline=now + timeout if timeout is not None and params.max_tokens else float("inf"))
         self.streams[rid] = stream
         self.outputs.add(rid, prompt_text, requests)
         self._submit(requests)
