@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.flags import json_object
+
+if TYPE_CHECKING:  # torch is imported where a dtype is resolved: parsing flags (the CLI) stays light
+    import torch
 
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
 #   auto     gguf, except where the dense path of the model's dtype is faster: bfloat16 on a CPU that
@@ -19,24 +21,28 @@ from tandem.flags import json_object
 #   none     dequantized to the model's dtype
 QUANTIZATION_CHOICES = ("auto", "gguf", "gguf-q8", "none")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+                "float16": "float16", "fp16": "float16"}
 
 
 def auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU computes it natively (AVX512-BF16, AMX, AVX-NE-CONVERT), else float32:
     on plain AVX2 bf16 matmuls are emulated and slower than float32 ones."""
+    import torch
+
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return auto_dtype()
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
-    return _DTYPES[dtype]
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_NAMES)}")
+    return getattr(torch, _DTYPE_NAMES[dtype])
 
 
 def available_cpus() -> int:

@@ -94,3 +94,13 @@ def test_startup_errors_name_what_to_fix() -> None:
             assert all(s in str(refused.value) for s in says), (args, refused.value)
     finally:
         torch.set_num_threads(threads)  # `serve` sets this process's torch to one thread before it loads
+
+
+def test_the_command_line_parses_without_torch_so_the_core_starts_first() -> None:
+    """`tandem serve` starts its engine core before its own process imports torch (the two imports then
+    run side by side): parsing the command line, and the launcher, must not bring torch in."""
+    code = ("import sys; import tandem.cli, tandem.serve.core_launch; "
+            "tandem.cli.build_parser().parse_args(['serve', '--max-num-seqs', '8']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -28,38 +28,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    import torch
-    import uvicorn
-
-    from tandem.config import EngineConfig
     from tandem.logs import startup
-    from tandem.model_path import DEFAULT_MODEL_NAME
-    from tandem.serve.api import ServerSettings, build_app
-    from tandem.serve.async_engine import AsyncEngine
-    from tandem.serve.startup import AnnouncingServer, check_memory, check_port
+    from tandem.serve.core_launch import launch_core
+    from tandem.serve.startup import check_memory, check_port
     from tandem.slo import Slo
-    from tandem.tokenizer import load_tokenizer
 
     check_port(args.host, args.port)  # before a minute of loading, not after
     # The KV pools this host will hold: its local workers', or the one core's (a bare router holds none).
     pools = 0 if args.ray else (args.prefill_workers + args.decode_workers + args.workers or int(not args.router_bind))
     if args.num_blocks is None and pools:
         check_memory(args.kv_cache_memory, pools)
-    # This process parses HTTP and tokenizes; the model's threads belong to the core process.
-    torch.set_num_threads(1)
-    keys = list(args.api_key or [])
-    if not keys and os.environ.get("TANDEM_API_KEY"):
-        keys = [os.environ["TANDEM_API_KEY"]]
     owned_shm = None
     if args.kv_offload_memory > 0 and args.kv_offload_path is None:
         from tandem.kv.store.host_tier import default_shm_path
 
         # One host tier per deployment, shared by its engine processes and removed when it stops.
         args.kv_offload_path = owned_shm = default_shm_path(f"serve-{os.getpid()}")
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     admission = AdmissionSettings(args.admission, args.max_waiting_requests, args.max_queue_delay,
                                   args.seat_overcommit, args.admission_ttft_budget or None,
                                   args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
+    startup.info("admission: %s", admission.describe(slo, router=cluster))
+    launched = None
+    if not cluster:
+        # Started before this process imports torch, the app and the tokenizer: the core's start overlaps them.
+        startup.info("starting the engine core process")
+        launched = launch_core(args.model, engine_kwargs(args), args.log_level.upper(), args.kv_events_endpoint,
+                               admission.predicts)
+
+    import torch
+    import uvicorn
+
+    from tandem.config import EngineConfig
+    from tandem.model_path import DEFAULT_MODEL_NAME
+    from tandem.serve.api import ServerSettings, build_app
+    from tandem.serve.async_engine import AsyncEngine
+    from tandem.serve.startup import AnnouncingServer
+    from tandem.tokenizer import load_tokenizer
+
+    # This process parses HTTP and tokenizes; the model's threads belong to the core process.
+    torch.set_num_threads(1)
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("TANDEM_API_KEY"):
+        keys = [os.environ["TANDEM_API_KEY"]]
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint,
                               max_request_body_bytes=args.max_request_body_bytes,
@@ -69,24 +82,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               admission=admission, tenant_header=args.tenant_header,
                               tenant_weights=parse_weights(args.tenant_weight or []),
                               metrics_require_api_key=args.metrics_require_api_key,
-                              slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              slo=slo, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               max_stored_responses=args.max_stored_responses,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
-    cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
-    startup.info("admission: %s", admission.describe(Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
-                                                     router=cluster))
     if cluster:
         tokenizer = load_tokenizer(args.model)
         engine = disaggregated_engine(args, config, tokenizer)
         startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
                      args.decode_workers, args.workers)
     else:
-        startup.info("starting the engine core process")
-        # Launched before this process loads its tokenizer: the core's start overlaps it.
         engine = AsyncEngine(config, None, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
-                             profile_speed=settings.admission.predicts)
-        engine.launch()
+                             profile_speed=settings.admission.predicts, launched=launched)
         tokenizer = load_tokenizer(args.model)
         engine.attach_tokenizer(tokenizer)
     app = build_app(config, settings, tokenizer, engine)

@@ -16,10 +16,13 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tandem.disagg.registry import WorkerHandle
 from tandem.policy.paths import PATH_POLICIES, Slo
 from tandem.policy.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:  # the registry brings the wire messages and the engine: parsing flags stays light
+    from tandem.disagg.registry import WorkerHandle
 
 POLICIES = ("kv", "least-loaded", "round-robin")
 

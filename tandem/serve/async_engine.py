@@ -16,7 +16,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -44,6 +43,7 @@ from tandem.policy.deadlines import Calibration
 from tandem.policy.prefix_index import PrefixIndex
 from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
+from tandem.serve.core_launch import CoreLaunch, core_addresses
 from tandem.serve.core_proc import run_engine_core
 from tandem.serve.engine_load import LOCAL, PREFIX_TTL_S, EngineLoad, Stream
 from tandem.serve.metrics import ServerMetrics
@@ -248,7 +248,9 @@ class EngineClient(EngineLoad):
 class AsyncEngine(EngineClient):
     def __init__(self, config: EngineConfig, tokenizer: Any | None, log_level: str = "WARNING",
                  startup_timeout: float = 300.0, kv_events_endpoint: str | None = None,
-                 profile_speed: bool = False) -> None:
+                 profile_speed: bool = False, launched: CoreLaunch | None = None) -> None:
+        """launched: a core process already started from the same settings (core_launch.launch_core),
+        adopted here as if launch() had started it."""
         super().__init__(tokenizer)
         self.kv_events_endpoint = kv_events_endpoint
         self.profile_speed = profile_speed  # time the core's steps at start (admission predicts from them)
@@ -263,6 +265,10 @@ class AsyncEngine(EngineClient):
         self._addresses = ("", "")
         self.restart_backoff = RestartBackoff()
         self._started_at = 0.0  # on restart_backoff's clock
+        if launched is not None:
+            self._tmp.cleanup()
+            self._proc, self._tmp, self._addresses = launched.proc, launched.tmp, launched.addresses
+            self._started_at = self.restart_backoff.clock()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -279,8 +285,7 @@ class AsyncEngine(EngineClient):
         connects first: ZeroMQ holds what it sends until the server's sockets are bound."""
         if self._proc is not None:
             return
-        base = Path(self._tmp.name)
-        self._addresses = f"ipc://{base / 'in'}", f"ipc://{base / 'out'}"
+        self._addresses = core_addresses(self._tmp)
         self._spawn()
 
     async def start(self) -> None:
