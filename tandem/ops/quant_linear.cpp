@@ -45,31 +45,41 @@ using namespace gguf;
 // A chunk's 32 weights as two vectors of 16 (weights 0-15, 16-31: the halves of its scales).
 constexpr int kParts = 2;
 using Vec = __m512;
+using Ints = __m512i;  // a vector's lanes as int32
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec a, Vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
-
 inline Vec vset1(float f) { return _mm512_set1_ps(f); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vsum1(Vec a) { return _mm512_reduce_add_ps(a); }
-
-// A chunk's 32 quants as floats, before its scales.
-template <int64_t QT>
-inline void chunk_floats(const uint8_t* b, int c, Vec (&v)[kParts]) {
-  const __m256i q = chunk_quants<QT>(b, c);
-  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  for (int p = 0; p < 2; ++p) {
-    const __m512i ints = kSignedQuants<QT> ? _mm512_cvtepi8_epi32(half[p]) : _mm512_cvtepu8_epi32(half[p]);
-    v[p] = _mm512_cvtepi32_ps(ints);
-  }
+inline Vec ifloat(Ints a) { return _mm512_cvtepi32_ps(a); }
+// A vector's worth of bytes, each widened to an int32 lane (signed or not).
+inline Ints iwiden(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Ints iwiden_signed(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Vector p of a chunk's 32 signed bytes in a register, widened.
+inline Ints signed_lanes(__m256i q, int p) {
+  return _mm512_cvtepi8_epi32(p ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q));
+}
+inline Ints iand(Ints a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline Ints ior(Ints a, Ints b) { return _mm512_or_si512(a, b); }
+inline Ints isrl(Ints a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline Ints isll(Ints a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+// Bit (first + lane) of word, in each lane.
+inline Ints ibits(uint32_t word, int first) {
+  const Ints lanes = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32(first));
+  return iand(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), lanes), 1);
 }
 #elif defined(TANDEM_QUANT_AVX2)
 // A chunk's 32 weights as four vectors of 8 (two per half of its scales).
 constexpr int kParts = 4;
 using Vec = __m256;
+using Ints = __m256i;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -81,21 +91,65 @@ inline float vsum(Vec a, Vec b) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
 inline Vec vset1(float f) { return _mm256_set1_ps(f); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline float vsum1(Vec a) { return vsum(a, vzero()); }
+inline Vec ifloat(Ints a) { return _mm256_cvtepi32_ps(a); }
+inline Ints iwiden(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline Ints iwiden_signed(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline Ints signed_lanes(__m256i q, int p) {
+  const __m128i half = p / 2 ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+  return _mm256_cvtepi8_epi32(p % 2 ? _mm_srli_si128(half, 8) : half);
+}
+inline Ints iand(Ints a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+inline Ints ior(Ints a, Ints b) { return _mm256_or_si256(a, b); }
+inline Ints isrl(Ints a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline Ints isll(Ints a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline Ints ibits(uint32_t word, int first) {
+  const Ints lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  return iand(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), lanes), 1);
+}
+#endif
 
-// A chunk's 32 quants as floats, before its scales.
+#if defined(__AVX512F__) || defined(TANDEM_QUANT_AVX2)
+constexpr int kLanes = kChunk / kParts;
+
+// A chunk's 32 quants as floats, before its scales, exactly chunk_quant's values. Most formats widen
+// each vector's bytes to int32 lanes first and pick the bits out there with masks and shifts: the
+// byte shuffles of unpacking nibbles in bytes (chunk_quants) had bound the one-row kernel on AVX2
+// (Q4_1 36% and Q8_0 28% faster without them on a Zen 3). Q6_K, whose quants come from two places
+// each, and MXFP4's table keep the byte path: Q6_K ran 20% slower the other way.
 template <int64_t QT>
 inline void chunk_floats(const uint8_t* b, int c, Vec (&v)[kParts]) {
-  const __m256i q = chunk_quants<QT>(b, c);
-  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  for (int p = 0; p < 4; ++p) {
-    const __m128i eight = p % 2 ? _mm_srli_si128(half[p / 2], 8) : half[p / 2];
-    const __m256i ints = kSignedQuants<QT> ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-    v[p] = _mm256_cvtepi32_ps(ints);
+  if constexpr (QT == kQ6_K || QT == kMXFP4) {
+    const __m256i q = chunk_quants<QT>(b, c);
+    for (int p = 0; p < kParts; ++p) v[p] = ifloat(signed_lanes(q, p));
+    return;
+  }
+  for (int p = 0; p < kParts; ++p) {
+    const int k = p * kLanes;  // the vector's first weight in the chunk
+    Ints q;
+    if constexpr (QT == kQ8_0) {
+      q = iwiden_signed(b + 2 + k);
+    } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0) {
+      // 16 bytes of nibbles: byte k holds weight k (low) and k + 16 (high).
+      const uint8_t* qs = b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
+      const Ints bytes = iwiden(qs + k % 16);
+      q = k < 16 ? iand(bytes, 0x0F) : isrl(bytes, 4);
+      if constexpr (QT == kQ5_0) {  // bit k of the 32-bit word at b + 2 is weight k's fifth
+        uint32_t high;
+        std::memcpy(&high, b + 2, 4);
+        q = ior(q, isll(ibits(high, k), 4));
+      }
+    } else {  // Q4_K, Q5_K: chunk pairs share 32 bytes of nibbles (the even chunk the low ones)
+      const Ints bytes = iwiden(b + (QT == kQ4_K ? 16 : 48) + 32 * (c / 2) + k);
+      q = c % 2 ? isrl(bytes, 4) : iand(bytes, 0x0F);
+      if constexpr (QT == kQ5_K) q = ior(q, isll(iand(isrl(iwiden(b + 16 + k), c), 1), 4));  // bit c of byte k
+    }
+    v[p] = ifloat(q);
   }
 }
 #endif
@@ -113,7 +167,6 @@ inline void chunk_weights(const uint8_t* b, const Scales<QT>& s, int c, Vec (&v)
 #endif
 
 #if defined(__AVX512F__) || defined(TANDEM_QUANT_AVX2)
-constexpr int kLanes = kChunk / kParts;
 // Formats whose weights have a min (w = d * q + m, m != 0): Q4_0 and Q5_0 (their centring offsets),
 // Q4_1, Q4_K, Q5_K. One min per 32 weights in all of them.
 template <int64_t QT>
