@@ -93,7 +93,7 @@ def test_kernel_matches_fallback_and_float_reference(arith: str, fmt: str, rows:
 @pytest.mark.parametrize("arith", ARITHMETICS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_row_is_the_same_whatever_the_batch_and_threads(arith: str, fmt: str) -> None:
-    """A row's output does not depend on which rows share its call (tiles of 4 rows and their tails)
+    """A row's output does not depend on which rows share its call (tiles of 8 or 4 rows and their tails)
     nor on the thread count: bit for bit."""
     linear = op(ARITHMETICS[arith])
     w, _ = make_weight(fmt, 50, 128, seed=3)

@@ -273,12 +273,16 @@ inline at::Tensor finish_output(at::Tensor y, const at::Tensor& x_in, const std:
 // rows meet one weight row at a time and the last two or three rows form one tile, measured 1.9x
 // faster at three rows, a speculative verification's shape). Threads split the weight rows, so each
 // output is computed the same way whatever the thread count or the tiling.
-template <typename Run>
+// kEightRows: with AVX2, eight rows meet one weight row where the kernel's tile holds their eight
+// accumulators and a chunk's converted weights in the 16 registers (the float kernel's), so a weight
+// chunk is converted once for a batch of eight rather than twice.
+template <bool kEightRows = false, typename Run>
 void for_each_tile(int64_t M, int64_t N, Run&& run) {
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   using Three = std::integral_constant<int, 3>;
   using Four = std::integral_constant<int, 4>;
+  using Eight = std::integral_constant<int, 8>;
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
     const int64_t n_end = std::min(N, t1 * 4);
     for (int64_t n0 = t0 * 4; n0 < n_end;) {
@@ -293,6 +297,12 @@ void for_each_tile(int64_t M, int64_t N, Run&& run) {
       for (; m0 + 4 <= M; m0 += 4) pair ? run(Four{}, Two{}, m0, n0) : run(Four{}, One{}, m0, n0);
 #else
       // 16 ymm registers: a 4 x 2 tile's 16 accumulators would spill, so four rows meet one weight row.
+      if constexpr (kEightRows) {
+        for (; m0 + 8 <= M; m0 += 8) {
+          run(Eight{}, One{}, m0, n0);
+          if (pair) run(Eight{}, One{}, m0, n0 + 1);
+        }
+      }
       for (; m0 + 4 <= M; m0 += 4) {
         run(Four{}, One{}, m0, n0);
         if (pair) run(Four{}, One{}, m0, n0 + 1);

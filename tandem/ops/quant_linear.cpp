@@ -267,7 +267,7 @@ std::vector<float> chunk_sums(const float* /*x*/, int64_t /*M*/, int64_t /*K*/) 
 template <int64_t QT>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
   const std::vector<float> xsum = chunk_sums(x, M, K);
-  for_each_tile(M, N, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
+  for_each_tile<!kHalfScales<QT>>(M, N, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
     tile<QT, decltype(mr)::value, decltype(nr)::value>(w, row_bytes, x, xsum.data(), K, m0, n0, y, N);
   });
 }
