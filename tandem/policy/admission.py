@@ -102,9 +102,15 @@ class Load:
             return 0.0
         return self.seat_free_s[over - 1] if over <= len(self.seat_free_s) else math.inf
 
+    @property
+    def contention(self) -> tuple[bool, int]:
+        """(whether another tenant has requests in flight, the tenants with prompts waiting once this
+        tenant's new request waits too): how the scheduler caps a step's prompt tokens."""
+        return self.other_tenants_active > 0, 1 + self.other_tenants_waiting
+
     def prompt_per_step(self, engine: EngineShape, decode_rows: float) -> float:
         """Prompt tokens a step computes with this tenant's new request waiting (deadlines.prompt_per_step)."""
-        return prompt_per_step(engine, decode_rows, self.other_tenants_active > 0, 1 + self.other_tenants_waiting)
+        return prompt_per_step(engine, decode_rows, *self.contention)
 
     @property
     def ahead_tokens(self) -> int:
@@ -188,8 +194,7 @@ def predict_wait(seats: int, load: Load, num_seqs: int, prompt_tokens: int, toke
     engine has one (deadlines.predict_ttft), else the seat it waits for and the prompt work ahead of
     it and its own at the measured prompt rate."""
     if engine is not None and load.flights is not None:
-        ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens,
-                            load.other_tenants_active > 0, 1 + load.other_tenants_waiting)
+        ttft = predict_ttft(engine, load.flights, num_seqs, prompt_tokens, load.ahead_tokens, *load.contention)
         return Wait(ttft, engine.step(min(load.in_flight + num_seqs, engine.seats), 0))
     seat_wait = load.seat_wait(load.in_flight + num_seqs - seats)
     return Wait(seat_wait + (load.ahead_tokens + prompt_tokens) / max(tokens_per_s, 1.0), None)

@@ -258,7 +258,7 @@ class AsyncEngine(EngineClient):
         self.log_level = log_level
         self.startup_timeout = startup_timeout
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-")
+        self._tmp = launched.tmp if launched is not None else tempfile.TemporaryDirectory(prefix="tandem-")
         self._ctx = zmq.asyncio.Context()
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -266,8 +266,7 @@ class AsyncEngine(EngineClient):
         self.restart_backoff = RestartBackoff()
         self._started_at = 0.0  # on restart_backoff's clock
         if launched is not None:
-            self._tmp.cleanup()
-            self._proc, self._tmp, self._addresses = launched.proc, launched.tmp, launched.addresses
+            self._proc, self._addresses = launched.proc, launched.addresses
             self._started_at = self.restart_backoff.clock()
 
     # -- lifecycle ----------------------------------------------------------------------------
