@@ -6,6 +6,7 @@ log-likelihood equal the same harness's on transformers with the same weights; a
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import httpx
@@ -38,13 +39,20 @@ def hf_tokenizer(default_model_path: Path):  # noqa: ANN201
     return load_hf_gguf_tokenizer(default_model_path)
 
 
+@functools.cache
+def _shipped_tasks():  # noqa: ANN202
+    """The shipped tasks only: indexing lm-eval's own thousands of task files cost 8 s a call."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
+
+
 def evaluate(model: object, tasks: list[str], chat: bool = False, model_args: dict | None = None,
              limit: int | None = None) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args or None, tasks=tasks, log_samples=True,
-                                   apply_chat_template=chat, task_manager=TaskManager(include_path=str(TASKS)),
+                                   apply_chat_template=chat, task_manager=_shipped_tasks(),
                                    random_seed=0, limit=limit)
 
 
