@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
-from server_utils import Server
+from server_utils import Server, web
 from tiny_served_model import tiny_served_model
 
 # A small token budget forces chunked prefill (and so multi-step, layer-wise transfers).
@@ -22,7 +22,7 @@ TINY = (str(tiny_served_model()), *COMMON)
 def metric(server: Server, name: str, **labels: str) -> float:
     """Sum of a metric's samples whose labels include the given ones."""
     total, found = 0.0, False
-    for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines():
+    for line in web.get(f"{server.url}/metrics", timeout=5).text.splitlines():
         if not line.startswith(f"tandem:{name}"):
             continue
         series, value = line.rsplit(" ", 1)
@@ -46,7 +46,7 @@ def wait_blocks_free(server: Server, timeout: float = 15) -> None:
 
 
 def _used_on_live_workers(server: Server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    text = web.get(f"{server.url}/metrics", timeout=5).text
     up = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
           for line in text.splitlines() if line.startswith("tandem:worker_up{")}
     used = 0.0

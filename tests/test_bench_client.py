@@ -7,9 +7,9 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from bench_stub_server import MODEL, StubServer, WordTokenizer, stub_server
+from server_utils import web
 
 from tandem.bench import serve as bench_serve
 from tandem.bench.client import EndpointConfig, RequestRecord
@@ -35,7 +35,7 @@ def count(text: str) -> int:
 def stub() -> Iterator[StubServer]:
     with stub_server() as s:
         # The first request through a fresh server and client pays one-off costs: keep it out of the timings.
-        httpx.post(f"{s.url}/v1/completions", json={"prompt": "n=1"}, timeout=10).raise_for_status()
+        web.post(f"{s.url}/v1/completions", json={"prompt": "n=1"}, timeout=10).raise_for_status()
         yield s
 
 

@@ -13,11 +13,10 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 from cluster_utils import TINY, metric, metric_or_zero, run_all, settled, wait_blocks_free, worker_pid
-from server_utils import Server, running_server
+from server_utils import Server, running_server, web
 
 from tandem import SamplingParams
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
@@ -73,7 +72,7 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) 
         # The holder restarts with an empty pool: the router must not credit it with the document.
         os.kill(worker_pid(s, holder), signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while metric(s, "router_worker_restarts") < 1 or httpx.get(f"{s.url}/health").json()["status"] != "ok":
+        while metric(s, "router_worker_restarts") < 1 or web.get(f"{s.url}/health").json()["status"] != "ok":
             assert time.monotonic() < deadline, "the worker did not come back"
             time.sleep(0.5)
         others = [w for w in first if w != holder]
@@ -92,16 +91,16 @@ def stored_conversation_through_the_router(s: Server, doc: str) -> None:
     response's KV is retained there and the router goes where the prefix is), and a delete gives the
     blocks back on every worker."""
     url = f"{s.url}/v1/responses"
-    model = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    first = httpx.post(url, json={"model": model, "input": doc, "max_output_tokens": 4}, timeout=60)
+    model = web.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    first = web.post(url, json={"model": model, "input": doc, "max_output_tokens": 4}, timeout=60)
     first = first.raise_for_status().json()
     used = settled(lambda: metric_or_zero(s, "worker_kv_cache_used_blocks"), lambda v: v > 0)
     assert used > 0, "a stored response's KV is retained"
-    second = httpx.post(url, json={"model": model, "input": "And then?", "previous_response_id": first["id"],
+    second = web.post(url, json={"model": model, "input": "And then?", "previous_response_id": first["id"],
                                    "max_output_tokens": 4}, timeout=60).raise_for_status().json()
     assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 16
     for response in (first, second):
-        assert httpx.delete(f"{url}/{response['id']}", timeout=10).json()["deleted"]
+        assert web.delete(f"{url}/{response['id']}", timeout=10).json()["deleted"]
     wait_blocks_free(s)
 
 
@@ -145,7 +144,7 @@ def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_wo
         time.sleep(2)
         assert metric(s, "router_planner_flips", **flips) == 1  # the dwell holds
         # The dashboard's view of it: the action on the planner's timeline, the new worker in the map.
-        view = httpx.get(f"{s.url}/v1/cluster", timeout=10).json()
+        view = web.get(f"{s.url}/v1/cluster", timeout=10).json()
         jsonschema.validate(view, json.loads((ROOT / "tandem/serve/cluster_schema.json").read_text()))
         planner = view["planner"]
         [action] = planner["actions"]

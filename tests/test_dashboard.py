@@ -12,11 +12,10 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 from browser import chromium, screenshot, wait_for
-from server_utils import Server, running_server
+from server_utils import Server, running_server, web
 
 from tandem.serve.live_stats import LiveStats
 from tandem.slo import Slo
@@ -30,14 +29,14 @@ SMALL = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-t
 
 
 def complete(server: Server, prompt: str, max_tokens: int = 8) -> dict:
-    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
+    r = web.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
                    json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def cluster(server: Server) -> dict:
-    r = httpx.get(f"{server.url}/v1/cluster", headers=AUTH, timeout=10)
+    r = web.get(f"{server.url}/v1/cluster", headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
     body = r.json()
     jsonschema.validate(body, SCHEMA)
@@ -77,11 +76,11 @@ def test_live_stats_buckets_percentiles_and_goodput() -> None:
 # -- the colocated server ---------------------------------------------------------------------
 def test_cluster_endpoint_on_the_colocated_server() -> None:
     with running_server(*SMALL, "--api-key", KEY, "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000") as server:
-        page = httpx.get(f"{server.url}/dashboard", timeout=10)
+        page = web.get(f"{server.url}/dashboard", timeout=10)
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         for asset in re.findall(r'(?:src|href)="(/dashboard/static/[^"]+)"', page.text):
-            assert httpx.get(f"{server.url}{asset}", timeout=10).status_code == 200, asset
-        refused = httpx.get(f"{server.url}/v1/cluster", timeout=10)
+            assert web.get(f"{server.url}{asset}", timeout=10).status_code == 200, asset
+        refused = web.get(f"{server.url}/v1/cluster", timeout=10)
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
 
         before = cluster(server)
@@ -91,7 +90,7 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
         assert core["cores"], "the engine core's CPU affinity"
         assert before["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 10000.0}
         # One engine: no worker to move requests between (a cluster's live migration).
-        moved = httpx.post(f"{server.url}/v1/cluster/workers/{core['id']}/migrate",
+        moved = web.post(f"{server.url}/v1/cluster/workers/{core['id']}/migrate",
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
         assert moved.status_code == 404 and "one engine" in moved.json()["error"]["message"]
 
@@ -176,6 +175,6 @@ def test_grafana_dashboard_names_only_metrics_the_router_exports(deployment: Ser
     exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
     assert len(exprs) >= 12
     named = {m for e in exprs for m in re.findall(r"tandem:[A-Za-z0-9_:]+", e)}
-    metrics = httpx.get(f"{deployment.url}/metrics", headers=AUTH, timeout=10).text
+    metrics = web.get(f"{deployment.url}/metrics", headers=AUTH, timeout=10).text
     exported = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line and line[0] != "#"}
     assert named and not named - exported, sorted(named - exported)

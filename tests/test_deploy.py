@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from server_utils import free_port
+from server_utils import free_port, web
 
 from tandem.cli import build_parser
 from tandem.disagg.wire import SECRET_ENV
@@ -124,7 +124,7 @@ def test_the_compose_deployment_runs_as_written_on_loopback() -> None:
         while time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
             try:
-                cluster = httpx.get(f"{url}/v1/cluster", timeout=2).json()
+                cluster = web.get(f"{url}/v1/cluster", timeout=2).json()
                 if sorted(w["role"] for w in cluster["workers"] if w["state"] == "up") == ["decode", "prefill"]:
                     break
             except httpx.HTTPError:
@@ -134,10 +134,10 @@ def test_the_compose_deployment_runs_as_written_on_loopback() -> None:
             raise AssertionError(f"the compose deployment did not come up: {cluster}")
         check = _on_loopback(services["router"]["healthcheck"]["test"], ports)[:-2]
         assert subprocess.run([sys.executable if c == "python" else c for c in check[1:]], timeout=30).returncode == 0
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": 0}, timeout=120)
+        r = web.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
         scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
-        metrics = httpx.get(f"{url}{scrape.get('metrics_path', '/metrics')}", timeout=10).text
+        metrics = web.get(f"{url}{scrape.get('metrics_path', '/metrics')}", timeout=10).text
         assert 'tandem:worker_up{' in metrics and "tandem:request_success_total" in metrics
     finally:
         for p in procs[::-1]:

@@ -29,7 +29,7 @@ from cluster_utils import (
     wait_blocks_free,
     worker_pid,
 )
-from server_utils import Server, running_server
+from server_utils import Server, running_server, web
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def echo_logprobs(server: Server, prompt: str) -> list[tuple[list[str], list[flo
     """A log-likelihood request (echo + logprobs: the prompt scored, then 8 greedy tokens), n=2:
     per choice, its tokens (the prompt's and the generated) and their logprobs."""
     body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 8, "temperature": 0, "n": 2}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    r = web.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in r.json()["choices"]]
 
@@ -141,7 +141,7 @@ def test_streaming_through_the_router_equals_non_streaming(disagg_server: Server
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     # The same errors as the colocated server.
-    r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
+    r = web.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     wait_blocks_free(s)
 
@@ -154,7 +154,7 @@ def _stream_until_error(url: str, model: str, result: dict, key: int, max_tokens
             "temperature": 0, "ignore_eos": True, "stream": True}
     t_first = None
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        with web.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if t_first is None and line.startswith("data: {"):
                     t_first = time.monotonic()
@@ -183,7 +183,7 @@ def _start_streams(url: str, model: str, results: dict[int, tuple[str, float]], 
 def _wait_health(s: Server, status: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        report = httpx.get(f"{s.url}/health", timeout=5)
+        report = web.get(f"{s.url}/health", timeout=5)
         assert report.status_code == 200, report.text  # degraded still serves
         if report.json()["status"] == status or time.monotonic() > deadline:
             return report.json()
@@ -198,7 +198,7 @@ def _still_serving(s: Server, model: str, victim: str, before: tuple[float, floa
     """``before``: the router's deaths and restarts before the kill (the deployment is shared)."""
     deaths, restarts = before
     # New requests are served meanwhile (colocated on the survivor while the pair is broken).
-    out = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
+    out = web.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "The capital of France is",
                                                       "max_tokens": 8, "temperature": 0}, timeout=60)
     assert out.status_code == 200 and out.json()["choices"][0]["text"]
     assert metric(s, "router_worker_deaths") == deaths + 1
@@ -212,7 +212,7 @@ def _still_serving(s: Server, model: str, victim: str, before: tuple[float, floa
 def test_kill_the_decode_worker_mid_stream(disagg_server: Server) -> None:
     s = disagg_server
     before = _deaths_and_restarts(s)
-    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    model = web.get(f"{s.url}/v1/models").json()["data"][0]["id"]
     results: dict[int, tuple[str, float]] = {}
     threads = _start_streams(s.url, model, results, max_tokens=6000)
     os.kill(worker_pid(s, "decode-0"), signal.SIGKILL)
@@ -232,7 +232,7 @@ def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str], 
     nothing, so they are retried on the survivor and succeed."""
     s = disagg_server
     before = _deaths_and_restarts(s)
-    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    model = web.get(f"{s.url}/v1/models").json()["data"][0]["id"]
     long = " ".join(passages)[:3000]
     results: dict[int, tuple[str, float]] = {}
     threads = _start_streams(s.url, model, results, max_tokens=1500)  # they outlast the kill
@@ -259,7 +259,7 @@ def test_kill_the_prefill_worker_mid_stream_and_mid_prompt(passages: list[str], 
 
 def test_abort_storm_leaves_no_blocks(passages: list[str], disagg_server: Server) -> None:
     s = disagg_server
-    model = httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"]
+    model = web.get(f"{s.url}/v1/models").json()["data"][0]["id"]
     long = " ".join(passages)[:2000]
 
     async def one(c: httpx.AsyncClient, i: int) -> None:
@@ -276,7 +276,7 @@ def test_abort_storm_leaves_no_blocks(passages: list[str], disagg_server: Server
     asyncio.run(main())
     wait_blocks_free(s, timeout=30)
     # And it still serves.
-    r = httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+    r = web.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
 
 
@@ -309,9 +309,9 @@ def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
             time.sleep(0.5)
         time.sleep(2)  # the intruder has loaded and is knocking by now
         assert workers[0].poll() is None
-        text = httpx.get(f"{server.url}/metrics").text
+        text = web.get(f"{server.url}/metrics").text
         assert 'worker="intruder"' not in text and 'worker="d0"' in text and 'worker="p0"' in text
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+        r = web.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
                                                              "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
         assert settled(lambda: metric(server, "kv_transfers", outcome="ok"), lambda n: n == 1) == 1

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from server_utils import Server, running_server
+from server_utils import Server, running_server, web
 
 from tandem.serve.errors import bad_request, install_error_handlers
 from tandem.serve.middleware import RequestIdMiddleware
@@ -76,7 +76,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, says:
     ({"prompt": ["a" * 600_000, "b" * 600_000]}, "prompt", "--max-prompt-chars"),
 ])
 def test_out_of_range_completion_fields(server: Server, body: dict, param: str, says: str | None) -> None:
-    assert_error(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 400, param, says)
+    assert_error(web.post(f"{server.url}/v1/completions", json=body, timeout=30), 400, param, says)
 
 
 @pytest.mark.parametrize(("raw", "param"), [
@@ -88,7 +88,7 @@ def test_out_of_range_completion_fields(server: Server, body: dict, param: str, 
 ])
 def test_non_finite_numbers(server: Server, raw: bytes, param: str) -> None:
     # Python's json reads NaN and Infinity, so they arrive as floats.
-    r = httpx.post(f"{server.url}/v1/completions", content=raw, headers=JSON, timeout=30)
+    r = web.post(f"{server.url}/v1/completions", content=raw, headers=JSON, timeout=30)
     assert_error(r, 400, param, "finite")
 
 
@@ -103,7 +103,7 @@ def test_non_finite_numbers(server: Server, raw: bytes, param: str) -> None:
     ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
 ])
 def test_lone_surrogates(server: Server, path: str, raw: bytes, param: str) -> None:
-    assert_error(httpx.post(f"{server.url}{path}", content=raw, headers=JSON, timeout=30), 400, param,
+    assert_error(web.post(f"{server.url}{path}", content=raw, headers=JSON, timeout=30), 400, param,
                  "cannot be encoded as UTF-8")
 
 
@@ -122,18 +122,18 @@ def test_lone_surrogates(server: Server, path: str, raw: bytes, param: str) -> N
     (b'{"prompt": ' + b"[" * 500 + b"1" + b"]" * 500 + b"}", JSON, "prompt must be"),
 ])
 def test_unparseable_bodies(server: Server, raw: bytes, headers: dict, says: str) -> None:
-    assert_error(httpx.post(f"{server.url}/v1/completions", content=raw, headers=headers, timeout=30), 400,
+    assert_error(web.post(f"{server.url}/v1/completions", content=raw, headers=headers, timeout=30), 400,
                  says=says)
 
 
 def test_token_ids_outside_the_vocabulary_on_detokenize(server: Server) -> None:
     for tokens in ([10**6], [-1], [1.5], [True]):
-        assert_error(httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30), 400, "tokens")
+        assert_error(web.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30), 400, "tokens")
 
 
 def test_huge_bodies_get_413(server: Server) -> None:
     big = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
-    assert_error(httpx.post(f"{server.url}/v1/completions", content=big, headers=JSON, timeout=60), 413,
+    assert_error(web.post(f"{server.url}/v1/completions", content=big, headers=JSON, timeout=60), 413,
                  says="limit")
 
     def chunks():  # noqa: ANN202 (no Content-Length: the server must count)
@@ -142,24 +142,24 @@ def test_huge_bodies_get_413(server: Server) -> None:
             yield b"a" * (100 << 10)
         yield b'"}'
 
-    assert_error(httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=JSON, timeout=60), 413)
+    assert_error(web.post(f"{server.url}/v1/completions", content=chunks(), headers=JSON, timeout=60), 413)
 
 
 def test_unknown_routes_and_wrong_methods(server: Server) -> None:
-    assert_error(httpx.get(f"{server.url}/v1/nope"), 404, says="/v1/nope")
-    assert_error(httpx.post(f"{server.url}/v2/completions", json={}), 404)
-    r = assert_error(httpx.get(f"{server.url}/v1/completions"), 405, says="POST")
+    assert_error(web.get(f"{server.url}/v1/nope"), 404, says="/v1/nope")
+    assert_error(web.post(f"{server.url}/v2/completions", json={}), 404)
+    r = assert_error(web.get(f"{server.url}/v1/completions"), 405, says="POST")
     assert "POST" in r["message"]
-    assert_error(httpx.delete(f"{server.url}/health"), 405)
+    assert_error(web.delete(f"{server.url}/health"), 405)
 
 
 def test_health_is_json(server: Server) -> None:
-    r = httpx.get(f"{server.url}/health")
+    r = web.get(f"{server.url}/health")
     assert r.status_code == 200 and r.json() == {"status": "ok", "reasons": []} and r.headers["x-request-id"]
 
 
 def test_a_request_chat_template_is_refused_by_default(server: Server) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": HI, "chat_template": FREEZE}, timeout=30)
+    r = web.post(f"{server.url}/v1/chat/completions", json={"messages": HI, "chat_template": FREEZE}, timeout=30)
     assert_error(r, 400, "chat_template", "--trust-request-chat-template")
 
 
@@ -185,7 +185,7 @@ def test_tokenization_runs_off_the_event_loop(server: Server) -> None:
 
 
 def test_the_server_still_serves_after_all_that(server: Server) -> None:
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+    r = web.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
                    timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
@@ -211,16 +211,16 @@ def test_trusted_chat_templates_render_within_a_time_and_size_budget() -> None:
         assert normal.status_code == 200 and normal_s < evil_s  # the server was not frozen meanwhile
 
         chat = f"{s.url}/v1/chat/completions"
-        assert_error(httpx.post(chat, json={"messages": HI, "chat_template": "{{ 'a' * 10**7 }}"}, timeout=30),
+        assert_error(web.post(chat, json={"messages": HI, "chat_template": "{{ 'a' * 10**7 }}"}, timeout=30),
                      400, "chat_template", "characters")
-        assert_error(httpx.post(chat, json={"messages": HI, "chat_template": "{% for i in range(10**6) %}"
+        assert_error(web.post(chat, json={"messages": HI, "chat_template": "{% for i in range(10**6) %}"
                                             "{% endfor %}"}, timeout=30), 400, "chat_template", "Range too big")
-        assert_error(httpx.post(chat, json={"messages": HI, "chat_template": "{{ ''.__class__.__mro__ }}"}, timeout=30),
+        assert_error(web.post(chat, json={"messages": HI, "chat_template": "{{ ''.__class__.__mro__ }}"}, timeout=30),
                      400, "chat_template", "unsafe")
         # The killed renderer was replaced: a sane template renders (and is what the model sees).
         template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-        r = httpx.post(f"{s.url}/tokenize", json={"messages": HI}, timeout=30)
-        ok = httpx.post(chat, json={"messages": HI, "chat_template": template, "max_tokens": 2}, timeout=60)
+        r = web.post(f"{s.url}/tokenize", json={"messages": HI}, timeout=30)
+        ok = web.post(chat, json={"messages": HI, "chat_template": template, "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["prompt_tokens"] == 1 < r.json()["count"]  # "hi" alone, not the model's template
 

@@ -5,11 +5,10 @@ chunking, prefix caching and preemption."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 from cluster_utils import metric
-from server_utils import running_server
+from server_utils import running_server, web
 from test_paged_attention_op import CASE_IDS, CASES, TOL, make_case, naive_reference
 
 from tandem import SamplingParams
@@ -143,7 +142,7 @@ def test_a_1p1d_deployment_moves_int8_rows_as_they_are(make_llm) -> None:  # noq
                         "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
                         "--path-policy", "disaggregated") as server:
         body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True}
-        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        got = web.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         assert got == want
         assert metric(server, "router_routed", path="disaggregated") == 1
         assert server.metric("kv_cache_bytes_per_token") == 30 * 2 * 3 * (64 + SCALE_BYTES)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import httpx
 import pytest
 from conftest import FP32_SERVER, load_hf_gguf_tokenizer
+from server_utils import web
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "evals/tandem_python"
@@ -65,7 +65,7 @@ def per_item(result: dict, task: str) -> list[list[float]]:
 def test_the_shipped_task_scores_the_same_as_on_transformers(server, hf_reference, hf_tokenizer) -> None:  # noqa: ANN001
     from lm_eval.models.huggingface import HFLM
 
-    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    info = web.get(f"{server.url}/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
     ours = evaluate("local-completions", ["tandem_python"], model_args={
         "base_url": f"{server.url}/v1/completions", "model": "SmolLM2-135M-Instruct",

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import jsonschema
 import pytest
 from conftest import DEFAULT_SERVER
+from server_utils import web
 
 WEATHER = {"name": "get_weather", "description": "The weather now in a city", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
@@ -32,7 +32,7 @@ def client(server) -> anthropic.Anthropic:  # noqa: ANN001
 
 
 def model_of(server) -> str:  # noqa: ANN001
-    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    return web.get(f"{server.url}/v1/models").json()["data"][0]["id"]
 
 
 def text_of(message) -> str:  # noqa: ANN001
@@ -43,7 +43,7 @@ def test_a_message_and_its_stream_are_the_chat_apis_greedy_reply(server, client)
     model = model_of(server)
     ask = [{"role": "user", "content": "Name three colours of the rainbow."}]
     msg = client.messages.create(model=model, system=SYSTEM, messages=ask, max_tokens=40, extra_body=GREEDY)
-    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+    chat = web.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "system", "content": SYSTEM}, *ask], "max_tokens": 40,
         "temperature": 0}).json()
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
@@ -144,15 +144,15 @@ def test_errors_are_4xx_in_anthropics_shape(server, client) -> None:  # noqa: AN
                        ({"messages": ASK, "max_tokens": 4, "tool_choice": {"type": "any"}}, "tool_choice"),
                        ({"messages": ASK, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 64}},
                         "thinking")):
-        r = httpx.post(f"{server.url}/v1/messages", json={"model": model} | body, timeout=60)
+        r = web.post(f"{server.url}/v1/messages", json={"model": model} | body, timeout=60)
         assert r.status_code == 400, (body, r.text)
         error = r.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", r.text
         assert says in error["error"]["message"], (body, r.text)
-    r = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=60,
+    r = web.post(f"{server.url}/v1/messages", content=b"{not json", timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     # The OpenAI routes keep OpenAI's shape.
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=60)
+    r = web.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=60)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert web.get(f"{server.url}/health").status_code == 200

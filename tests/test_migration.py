@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from cluster_utils import metric, wait_blocks_free
-from server_utils import Server, running_server
+from server_utils import Server, running_server, web
 
 from tandem import SamplingParams
 
@@ -25,7 +25,7 @@ MOVE_AFTER = 8  # streamed chunks before the move
 
 
 def in_flight(server: Server) -> dict[str, int]:
-    workers = httpx.get(f"{server.url}/v1/cluster", timeout=10).json()["workers"]
+    workers = web.get(f"{server.url}/v1/cluster", timeout=10).json()["workers"]
     return {w["id"]: w["in_flight"] for w in workers}
 
 
@@ -34,7 +34,7 @@ def stream_and_move(server: Server, prompt: str, params: dict) -> tuple[str, dic
     the migrate call's answer and the gaps between chunks."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, **params}
     text, stamps, answer = [], [], {}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+    with web.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -45,7 +45,7 @@ def stream_and_move(server: Server, prompt: str, params: dict) -> tuple[str, dic
             stamps.append(time.monotonic())
             if len(text) == MOVE_AFTER:
                 [busy] = [w for w, n in in_flight(server).items() if n]
-                moved = httpx.post(f"{server.url}/v1/cluster/workers/{busy}/migrate", timeout=60)
+                moved = web.post(f"{server.url}/v1/cluster/workers/{busy}/migrate", timeout=60)
                 assert moved.status_code == 200, moved.text
                 answer = moved.json()
                 answer["from"] = busy
@@ -75,7 +75,7 @@ def test_a_stream_moved_mid_generation_gives_the_offline_output(pair: Server, ll
         # The stream went on: no gap near a request's own length (a restart would be one).
         assert max(gaps) < 5.0
     # The KV went from one worker's pool to the other's.
-    transfers = httpx.get(f"{s.url}/v1/cluster", timeout=10).json()["transfers"]
+    transfers = web.get(f"{s.url}/v1/cluster", timeout=10).json()["transfers"]
     assert sum(t["bytes"] for t in transfers) > 0
     wait_blocks_free(s)
 
@@ -86,22 +86,22 @@ def test_moving_what_cannot_move_says_why_and_serves_on(pair: Server, passages: 
     if pair.transport != "shm":  # type: ignore[attr-defined]
         pytest.skip("the router's side: the same over either transport")
     s = pair
-    r = httpx.post(f"{s.url}/v1/cluster/workers/nobody/migrate", timeout=10)
+    r = web.post(f"{s.url}/v1/cluster/workers/nobody/migrate", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     idle = next(iter(in_flight(s)))
-    r = httpx.post(f"{s.url}/v1/cluster/workers/{idle}/migrate", timeout=10)
+    r = web.post(f"{s.url}/v1/cluster/workers/{idle}/migrate", timeout=10)
     assert r.status_code == 200 and r.json()["migrated"] == [] and r.json()["not_migrated"] == {}
     # A long prompt at 64 tokens a step: moved while prefilling, nothing has streamed yet.
     long = " ".join(passages)[:3000]
     done: dict[str, httpx.Response] = {}
-    t = threading.Thread(target=lambda: done.update(r=httpx.post(
+    t = threading.Thread(target=lambda: done.update(r=web.post(
         f"{s.url}/v1/completions", json={"prompt": long, "max_tokens": 4, "temperature": 0}, timeout=120)))
     t.start()
     deadline = time.monotonic() + 30
     while not any(in_flight(s).values()) and time.monotonic() < deadline:
         time.sleep(0.02)
     [busy] = [w for w, n in in_flight(s).items() if n]
-    r = httpx.post(f"{s.url}/v1/cluster/workers/{busy}/migrate", timeout=30)
+    r = web.post(f"{s.url}/v1/cluster/workers/{busy}/migrate", timeout=30)
     assert r.status_code == 200 and r.json()["migrated"] == []
     t.join(120)
     assert done["r"].status_code == 200 and done["r"].json()["choices"][0]["finish_reason"] == "length"

@@ -8,10 +8,9 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import pytest
 from cluster_utils import metric_or_zero, run_all, wait_blocks_free
-from server_utils import running_server
+from server_utils import running_server, web
 
 from tandem import SamplingParams
 
@@ -23,7 +22,7 @@ MIXED = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-t
 
 
 def decoding(server_url: str) -> int:
-    workers = httpx.get(f"{server_url}/v1/cluster", timeout=10).json()["workers"]
+    workers = web.get(f"{server_url}/v1/cluster", timeout=10).json()["workers"]
     return sum(w["running"] for w in workers if w["role"] == "decode")
 
 
@@ -45,7 +44,7 @@ def test_long_prompts_go_through_the_pair_and_short_ones_stay_whole(passages: li
         done = threading.Event()
 
         def listen() -> None:
-            with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=300) as r:
+            with web.stream("POST", f"{s.url}/v1/completions", json=body, timeout=300) as r:
                 for _ in r.iter_lines():
                     if done.is_set():
                         return

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import running_server
+from server_utils import running_server, web
 
 KEYS = ("key-a", "key-b")
 
@@ -42,7 +42,7 @@ def test_a_burst_past_capacity_is_refused_early_and_the_rest_served() -> None:
         # Once the burst is over, the server serves as before.
         again = asyncio.run(burst(s.url, 2))
         assert [r.status_code for r in again] == [200, 200], [r.text for r in again]
-        rejected = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+        rejected = [line for line in web.get(f"{s.url}/metrics").text.splitlines()
                     if line.startswith("tandem:request_rejected_total{")]
         assert float(rejected[0].rsplit(" ", 1)[1]) >= len(refused)
 

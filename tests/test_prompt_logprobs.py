@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import httpx
 import pytest
 import torch
 from conftest import FP32_SERVER
+from server_utils import web
 
 from tandem import SamplingParams
 
@@ -55,10 +55,10 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_api(hf_reference, shar
     max_tokens=1; the first token has none, the rest are the prompt's, then the generated one
     (float32: compared with transformers in float32)."""
     server = shared_server(*FP32_SERVER)
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    ids = web.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
     for _ in range(2):
-        choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        choice = web.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -68,7 +68,7 @@ def test_echo_with_logprobs_scores_the_prompt_through_the_api(hf_reference, shar
         assert "".join(lp["tokens"][:len(ids)]) == PROMPTS[0]
         assert lp["text_offset"][0] == 0
     streamed: list[float | None] = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+    with web.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:

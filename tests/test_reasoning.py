@@ -10,9 +10,9 @@ import json
 import random
 
 import anthropic
-import httpx
 import pytest
 from conftest import DEFAULT_SERVER
+from server_utils import web
 
 from tandem.serve.errors import APIError
 from tandem.serve.reasoning import DEEPSEEK_R1, QWEN3, ReasoningParser, Split, split_reply
@@ -91,23 +91,23 @@ def server(shared_server):  # noqa: ANN001, ANN201
 def test_chat_and_messages_set_the_reasoning_apart(server) -> None:  # noqa: ANN001
     ask = [{"role": "user", "content": "What is 2 + 2?"}]
     body = {"messages": ask, "max_tokens": 60, "temperature": 0, "guided_regex": THOUGHT}
-    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    whole = web.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
     assert whole["reasoning_content"].strip() and "<think>" not in whole["reasoning_content"]
     assert whole["content"] in ("The answer is 4.", "The answer is four.")
     reasoning, content = "", ""
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+    with web.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
                     reasoning += choice["delta"].get("reasoning_content") or ""
                     content += choice["delta"].get("content") or ""
     assert (reasoning, content) == (whole["reasoning_content"], whole["content"])
-    plain = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+    plain = web.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "messages": ask, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["message"]
     assert plain["reasoning_content"] is None and plain["content"]  # no <think>: all content
 
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    model = web.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     fields = {"model": model, "messages": ask, "max_tokens": 60, "thinking": {"type": "enabled", "budget_tokens": 1024},
               "extra_body": {"temperature": 0, "structured_outputs": {"regex": THOUGHT}}}
     msg = client.messages.create(**fields)

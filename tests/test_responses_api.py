@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from conftest import DEFAULT_SERVER
+from server_utils import web
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
@@ -75,7 +75,7 @@ def test_a_response_its_stream_and_a_follow_up_that_sends_only_its_new_input(ser
     items = client.responses.input_items.list(second.id).data
     assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items] == \
         [("message", "user", "input_text", ask)]
-    deleted = httpx.delete(f"{server.url}/v1/responses/{second.id}").json()
+    deleted = web.delete(f"{server.url}/v1/responses/{second.id}").json()
     assert deleted == {"id": second.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
@@ -128,11 +128,11 @@ def test_structured_output_and_errors(server, client) -> None:  # noqa: ANN001
                         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "user"},
                                     {"type": "function_call_output", "call_id": "c", "output": "ok"}]}, "input"),
                         ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text")):
-        r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+        r = web.post(f"{server.url}/v1/responses", json=body, timeout=60)
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
-    assert httpx.get(f"{server.url}/v1/responses/resp_nope").status_code == 404
-    assert httpx.delete(f"{server.url}/v1/responses/resp_nope").status_code == 404
+    assert web.get(f"{server.url}/v1/responses/resp_nope").status_code == 404
+    assert web.delete(f"{server.url}/v1/responses/resp_nope").status_code == 404
 
 
 def test_a_stored_conversation_keeps_its_kv_under_pressure_and_gives_it_back(shared_server) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import zmq
-from server_utils import Server, cmdline, free_port, running_server
+from server_utils import Server, cmdline, free_port, running_server, web
 
 from tandem.engine.messages import KVEvents
 
@@ -51,16 +51,16 @@ def test_models_and_completion_usage(client: openai.OpenAI, server: Server) -> N
     models = client.models.list()
     name = models.data[0].id
     out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8, temperature=0)
-    n_prompt = len(httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"])
+    n_prompt = len(web.post(f"{server.url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"])
     assert out.usage.prompt_tokens == n_prompt
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     assert out.choices[0].text
-    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": [504, 3575]}).json()
+    detok = web.post(f"{server.url}/detokenize", json={"tokens": [504, 3575]}).json()
     assert isinstance(detok["prompt"], str) and detok["prompt"]
-    assert httpx.get(f"{server.url}/version").json()["version"]
-    assert "/v1/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert web.get(f"{server.url}/version").json()["version"]
+    assert "/v1/completions" in web.get(f"{server.url}/openapi.json").json()["paths"]
     # The default model as stored: ~92 MiB of Q4_1 and Q8_0 blocks (513 dequantized to float32).
-    weights = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+    weights = [line for line in web.get(f"{server.url}/metrics").text.splitlines()
                if line.startswith("tandem:model_weight_bytes{")]
     assert len(weights) == 1 and 'formats="gguf-Q4_1,gguf-Q8_0"' in weights[0]
     assert 80 * 2**20 < float(weights[0].rsplit(" ", 1)[1]) < 110 * 2**20
@@ -133,7 +133,7 @@ def test_32_concurrent_streams(server: Server, client: openai.OpenAI) -> None:
 def test_disconnect_frees_blocks(server: Server, client: openai.OpenAI) -> None:
     model = client.models.list().data[0].id
     wait_idle(server)
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={
+    with web.stream("POST", f"{server.url}/v1/completions", json={
             "model": model, "prompt": "Tell me a very long story.", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}, timeout=30) as resp:
         lines = resp.iter_lines()
@@ -143,7 +143,7 @@ def test_disconnect_frees_blocks(server: Server, client: openai.OpenAI) -> None:
     wait_idle(server)  # the request was aborted and its blocks freed
     # Non-streaming: the client gives up (timeout) while the server is generating.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "Go on", "max_tokens": 3000,
+        web.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "Go on", "max_tokens": 3000,
                                                          "ignore_eos": True}, timeout=2)
     wait_idle(server)
 
@@ -170,13 +170,13 @@ def test_disconnect_frees_blocks(server: Server, client: openai.OpenAI) -> None:
 def test_bad_completion_requests(server: Server, body, status, param) -> None:  # noqa: ANN001
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
         else {"json": body}
-    r = httpx.post(f"{server.url}/v1/completions", timeout=30, **kwargs)
+    r = web.post(f"{server.url}/v1/completions", timeout=30, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["code"] == status
     if param:
         assert err["param"] == param
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert web.get(f"{server.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize(("body", "status"), [
@@ -187,7 +187,7 @@ def test_bad_completion_requests(server: Server, body, status, param) -> None:  
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404),
 ])
 def test_bad_chat_requests(server: Server, client: openai.OpenAI, body, status) -> None:  # noqa: ANN001
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    r = web.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == status
     ok = client.chat.completions.create(model=client.models.list().data[0].id,
@@ -201,14 +201,14 @@ def test_api_key_and_admission_control() -> None:
         bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        assert httpx.get(f"{s.url}/v1/models").status_code == 401
-        assert httpx.get(f"{s.url}/health").status_code == 200  # only what does work is guarded
+        assert web.get(f"{s.url}/v1/models").status_code == 401
+        assert web.get(f"{s.url}/health").status_code == 200  # only what does work is guarded
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
-            assert httpx.post(f"{s.url}{path}", json=body).status_code == 401
-            assert httpx.post(f"{s.url}{path}", json=body, headers={"authorization": "Bearer sekrit"}).status_code \
+            assert web.post(f"{s.url}{path}", json=body).status_code == 401
+            assert web.post(f"{s.url}{path}", json=body, headers={"authorization": "Bearer sekrit"}).status_code \
                 == 200
-        assert httpx.get(f"{s.url}/metrics").status_code == 401
-        assert httpx.get(f"{s.url}/metrics", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        assert web.get(f"{s.url}/metrics").status_code == 401
+        assert web.get(f"{s.url}/metrics", headers={"authorization": "Bearer sekrit"}).status_code == 200
         good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0)
         model = good.models.list().data[0].id
         assert good.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
@@ -249,10 +249,10 @@ def test_request_timeout_and_sigterm() -> None:
     s = Server([*SERVER_ARGS, "--request-timeout", "1"])
     try:
         s.wait_ready()
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Go", "max_tokens": 4000, "ignore_eos": True},
+        r = web.post(f"{s.url}/v1/completions", json={"prompt": "Go", "max_tokens": 4000, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 408 and r.json()["error"]["type"] == "TimeoutError"
-        aborted = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+        aborted = [line for line in web.get(f"{s.url}/metrics").text.splitlines()
                    if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line]
         assert aborted and float(aborted[0].rsplit(" ", 1)[1]) == 1  # a timed-out request counts as aborted
         deadline = time.monotonic() + 10
@@ -291,23 +291,23 @@ def test_a_killed_engine_core_is_started_again() -> None:
                     if b"spawn_main" in cmdline(int(pid)))
         waiting: dict[str, httpx.Response] = {}
         # A prompt of 1,500 tokens in 256-token steps: still prefilling, no output yet, when the core dies.
-        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+        thread = threading.Thread(target=lambda: waiting.update(r=web.post(
             f"{s.url}/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 3, "ignore_eos": True},
             timeout=240)))
         thread.start()
         time.sleep(0.5)
         os.kill(core, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{s.url}/health").status_code == 200 and time.monotonic() < deadline:
+        while web.get(f"{s.url}/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
-        health = httpx.get(f"{s.url}/health")
+        health = web.get(f"{s.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        r = web.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
         deadline = time.monotonic() + 180
-        while httpx.get(f"{s.url}/health").status_code != 200 and time.monotonic() < deadline:
+        while web.get(f"{s.url}/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.3)
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        r = web.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         thread.join(240)
         assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 3
@@ -316,14 +316,14 @@ def test_a_killed_engine_core_is_started_again() -> None:
 def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
     def complete(**extra: object) -> dict:
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 0} | extra
-        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        r = web.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]
 
-    token = httpx.post(f"{server.url}/detokenize", json={"tokens": [28]}, timeout=30).json()["prompt"]
+    token = web.post(f"{server.url}/detokenize", json={"tokens": [28]}, timeout=30).json()["prompt"]
     assert complete(logit_bias={"28": 100})["text"] == token * 4  # every token the biased one
     plain = complete()["logprobs"]["tokens"]
-    first = httpx.post(f"{server.url}/tokenize", json={"prompt": plain[0], "add_special_tokens": False},
+    first = web.post(f"{server.url}/tokenize", json={"prompt": plain[0], "add_special_tokens": False},
                        timeout=30).json()["tokens"]
     assert len(first) == 1
     assert complete(logit_bias={str(first[0]): -100})["logprobs"]["tokens"][0] != plain[0]
@@ -341,13 +341,13 @@ def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
 def test_logit_bias_keys_are_ascii_token_ids_and_values_numbers(server: Server, bias: dict, says: str) -> None:
     for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
-        r = httpx.post(f"{server.url}{path}", json=body | {"logit_bias": bias}, timeout=30)
+        r = web.post(f"{server.url}{path}", json=body | {"logit_bias": bias}, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert (err["param"], err["code"], err["type"]) == ("logit_bias", 400, "BadRequestError"), err
         what = "values must be numbers" if "12" in bias else "keys must be token ids written as ASCII digits"
         assert err["message"].startswith(f"logit_bias {what} (got {says}"), err
-    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"12": 5}},
+    ok = web.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"12": 5}},
                     timeout=30)
     assert ok.status_code == 200, ok.text
 
@@ -381,7 +381,7 @@ def test_unknown_fields_are_ignored_and_named(server: Server) -> None:
                                       "name": "n", "schema": {"type": "object", "made_up": 1}}}}, None),
     ]
     for path, body, header in cases:
-        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+        with web.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
             text = r.read().decode()
             assert r.status_code == 200, text
             assert r.headers.get("x-ignored-fields") == header, (body, r.headers)

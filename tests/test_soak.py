@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_utils import running_server
+from server_utils import running_server, web
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 512
@@ -79,7 +79,7 @@ async def soak(url: str, n: int, seed: int) -> list[str]:
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in web.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(f"tandem:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)

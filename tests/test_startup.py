@@ -10,10 +10,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import torch
-from server_utils import free_port
+from server_utils import free_port, web
 
 from tandem.cli import build_parser
 from tandem.logs import JsonFormatter
@@ -63,7 +62,7 @@ def test_serve_reports_its_progress_and_where_it_serves() -> None:
         assert urls["dashboard"] == f"http://127.0.0.1:{port}/dashboard"
         assert "Ctrl-C" in serving[0]["msg"]
         # Announced only once it answers.
-        assert httpx.get(urls["health"], timeout=5).status_code == 200
+        assert web.get(urls["health"], timeout=5).status_code == 200
     finally:
         proc.terminate()
         proc.wait(60)

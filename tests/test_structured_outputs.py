@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import DEFAULT_SERVER
-from server_utils import running_server
+from server_utils import running_server, web
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
@@ -71,7 +71,7 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_
     schema = SCHEMAS[0]
     server = shared_server(*DEFAULT_SERVER)
     def chat(**fields: object) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+        return web.post(f"{server.url}/v1/chat/completions", timeout=120,
                           json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
 
     r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
@@ -93,7 +93,7 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_
                           ({"response_format": {"type": "json_schema"}}, "response_format")):
         r = chat(**fields)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert web.get(f"{server.url}/health").status_code == 200
 
 
 def test_request_fields_and_the_server_default_set_strict_and_whitespace(llm_fp32) -> None:  # noqa: ANN001
@@ -134,7 +134,7 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
               {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[0]}}}]
 
     def run(url: str) -> list[str]:
-        return [httpx.post(f"{url}/v1/chat/completions", timeout=120,
+        return [web.post(f"{url}/v1/chat/completions", timeout=120,
                            json={"messages": PROMPT, "max_tokens": 60, "temperature": 0, **f}
                            ).json()["choices"][0]["message"]["content"] for f in fields]
 

@@ -12,12 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean, hf_greedy, random_hf_model
-from server_utils import cmdline, running_server
+from server_utils import cmdline, running_server, web
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -200,7 +199,7 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_group_restarts() -> Non
         [rank1] = _followers(s.proc.pid)
         body = {"prompt": "Count: one two three", "max_tokens": 400, "ignore_eos": True, "stream": True}
         chunks: list[str] = []
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
+        with web.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 chunks.append(line)
                 if len(chunks) == 10:
@@ -209,10 +208,10 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_group_restarts() -> Non
         assert "error" in text and text.count('"text"') < 400
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            if httpx.get(f"{s.url}/health").status_code == 200 and _followers(s.proc.pid):
+            if web.get(f"{s.url}/health").status_code == 200 and _followers(s.proc.pid):
                 break
             time.sleep(0.5)
         assert _followers(s.proc.pid) not in ([], [rank1])
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
+        r = web.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

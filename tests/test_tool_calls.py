@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from conftest import DEFAULT_SERVER
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_utils import web
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
@@ -267,8 +267,8 @@ def test_the_openai_client_round_trip(shared_server) -> None:  # noqa: ANN001
             {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
     after = client.chat.completions.create(model=model, messages=turn, tools=tools, temperature=0, max_tokens=20)
     assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    shown = httpx.post(f"{server.url}/tokenize", json={"messages": turn}).json()["tokens"]
-    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
+    shown = web.post(f"{server.url}/tokenize", json={"messages": turn}).json()["tokens"]
+    prompt = web.post(f"{server.url}/detokenize", json={"tokens": shown}).json()["prompt"]
     assert "<tool_response>\n21 C and sunny\n</tool_response>" in prompt and call.function.arguments in prompt
 
     # bad requests are 400s that name the field
@@ -279,11 +279,11 @@ def test_the_openai_client_round_trip(shared_server) -> None:  # noqa: ANN001
                           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
                               "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
                             "tool_choice": "required"}, "tools")):
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+        r = web.post(f"{server.url}/v1/chat/completions", timeout=60,
                        json={"messages": ASK, "tools": tools, "max_tokens": 5} | fields)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
     broken = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                            "function": {"name": "f", "arguments": "{oops"}}]}]
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": broken, "max_tokens": 5}, timeout=60)
+    r = web.post(f"{server.url}/v1/chat/completions", json={"messages": broken, "max_tokens": 5}, timeout=60)
     assert r.status_code == 400 and "arguments" in r.json()["error"]["message"], r.text
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert web.get(f"{server.url}/health").status_code == 200
