@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from structured_outputs import SCHEMA
 
-from tandem.engine.structured import Grammars, disallowed_tokens
+from tandem.engine.grammars import Grammars
+from tandem.engine.structured import disallowed_tokens
 from tandem.model.loader import load_tokenizer
 from tandem.sampling_params import StructuredOutputs
 

@@ -164,7 +164,7 @@ def main() -> int:
         entry = {"tandem": run_tandem(llm, prompts, args.output_len)}
         if not args.skip_hf:
             console.print(f"[bold]transformers[/] static batching on the same weights (round {r + 1}/{args.rounds})")
-            entry["transformers"] = run_hf(llm.engine.loaded.path, llm.engine.config.model.dtype, prompts,
+            entry["transformers"] = run_hf(llm.engine.loaded.path, llm.engine.config.model.torch_dtype, prompts,
                                            args.output_len, args.hf_batch_size)
             entry["speedup_output_throughput"] = (entry["tandem"]["output_throughput"]
                                                   / entry["transformers"]["output_throughput"])

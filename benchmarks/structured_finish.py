@@ -27,7 +27,7 @@ from rich.progress import Progress
 from rich.table import Table
 from server_process import add_server_args, serving
 
-from tandem.engine.structured import closed_objects
+from tandem.engine.grammars import closed_objects
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parent.parent

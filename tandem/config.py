@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from tandem.flags import json_object
 
-if TYPE_CHECKING:  # torch is imported where a dtype is resolved: parsing flags (the CLI) stays light
+if TYPE_CHECKING:  # torch is imported where a dtype is resolved: flags and the API process stay light
     import torch
 
 # How a GGUF file's block-quantized weights are held (a directory's safetensors are dense either way):
@@ -25,12 +26,24 @@ _DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32"
                 "float16": "float16", "fp16": "float16"}
 
 
+@functools.cache
 def auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU computes it natively (AVX512-BF16, AMX, AVX-NE-CONVERT), else float32:
     on plain AVX2 bf16 matmuls are emulated and slower than float32 ones."""
     import torch
 
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def dtype_name(dtype: object) -> str:
+    """A dtype's canonical name ("auto", "bfloat16", "float32", "float16") from a flag's spelling or a
+    torch.dtype, without importing torch: the API process reads the engine's settings without it."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return name
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -57,7 +70,8 @@ class ModelConfig:
     """Where the weights come from and how they are held."""
 
     model: str | None = None  # GGUF file, HF directory, or None for the default model
-    dtype: torch.dtype = field(default_factory=auto_dtype)
+    # A name (dtype_name): "auto" is bfloat16 where the CPU computes it natively, else float32 (torch_dtype).
+    dtype: str = "auto"
     quantization: str = "auto"  # one of QUANTIZATION_CHOICES
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
@@ -66,6 +80,11 @@ class ModelConfig:
     # so greedy output is the same alone or batched, streamed or not, cached or not (ops/batch_invariant.h;
     # the compiled AVX512 kernels; the PyTorch fallbacks make no such promise).
     deterministic: bool = True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the engine computes in ("auto" resolved on this CPU)."""
+        return parse_dtype(self.dtype)
 
 
 @dataclass
@@ -246,7 +265,7 @@ class EngineConfig:
             if target is None:
                 raise TypeError(f"unknown engine option {key!r}")
             if key == "dtype":
-                value = parse_dtype(value)  # type: ignore[arg-type]
+                value = dtype_name(value)
             setattr(target, key, value)
         cfg.validate()
         return cfg

@@ -61,7 +61,7 @@ def test_the_shipped_bfloat16_path_agrees_with_transformers_in_bfloat16(make_llm
     import torch
 
     llm = make_llm()
-    if llm.engine.config.model.dtype != torch.bfloat16:
+    if llm.engine.config.model.torch_dtype != torch.bfloat16:
         pytest.skip("bfloat16 is not native here: the default dtype is float32 (the float32 tests above cover it)")
     hf = copy.deepcopy(hf_reference).to(torch.bfloat16)
     tok = llm.get_tokenizer()

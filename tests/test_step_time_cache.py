@@ -68,7 +68,7 @@ def test_what_sets_a_steps_time_is_in_the_key(make_llm, monkeypatch: pytest.Monk
     others = [
         key(fingerprint=2), key(num_blocks=65), key(max_model_len=256),
         key(replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=64))),
-        key(replace(config, model=replace(config.model, dtype=torch.bfloat16))),
+        key(replace(config, model=replace(config.model, dtype="bfloat16"))),
         key(replace(config, cache=replace(config.cache, kv_cache_dtype="int8"))),
         step_time_cache.profile_key("spec-step-cost", config, 1, 64, 512),
     ]

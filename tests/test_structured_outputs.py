@@ -159,7 +159,7 @@ OPEN_SCHEMAS = [
 
 
 def test_strict_closes_every_object_and_keeps_what_the_schema_says() -> None:
-    from tandem.engine.structured import COMPACT, closed_objects, json_schema_of
+    from tandem.engine.grammars import COMPACT, closed_objects, json_schema_of
 
     item = {"type": "object", "properties": {"x": {"type": "number"}}}
     schema = {"type": "object", "properties": {
@@ -220,7 +220,7 @@ def test_strict_keeps_what_combinators_mean(schema: dict) -> None:
     """A branch of anyOf, oneOf, allOf, if/then/else or dependentSchemas constrains its parent's
     object, and `not` and `if` turn what they hold around: closing any of them (or a parent whose
     branches name other properties) would refuse objects the schema takes."""
-    from tandem.engine.structured import closed_objects
+    from tandem.engine.grammars import closed_objects
 
     original = jsonschema.Draft202012Validator(schema)
     closed = jsonschema.Draft202012Validator(closed_objects(schema))
@@ -232,7 +232,7 @@ def test_strict_keeps_what_combinators_mean(schema: dict) -> None:
 
 
 def test_strict_still_closes_objects_and_the_branches_of_a_plain_union() -> None:
-    from tandem.engine.structured import closed_objects
+    from tandem.engine.grammars import closed_objects
 
     item = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     for schema, extra in (
@@ -253,7 +253,7 @@ def test_strict_still_closes_objects_and_the_branches_of_a_plain_union() -> None
 def test_compact_json_has_no_free_whitespace_and_flexible_is_llguidances_default(llm_fp32) -> None:  # noqa: ANN001
     import llguidance
 
-    from tandem.engine.structured import Grammars, grammar_of
+    from tandem.engine.grammars import Grammars, grammar_of
 
     tokenizer = llm_fp32.get_tokenizer()
     grammars = Grammars(tokenizer, 49152)
@@ -281,7 +281,7 @@ def test_strict_schemas_at_temperature_finish_as_valid_objects_or_say_length(llm
     """Issue #33: strict, at temperature 0.8 and max_tokens 120, the replies had invented properties and
     newlines between every token until max_tokens ran out. Each reply is now its closed schema's object,
     written compactly, or is cut by max_tokens and says so."""
-    from tandem.engine.structured import closed_objects
+    from tandem.engine.grammars import closed_objects
 
     cases = [(s, seed) for s in OPEN_SCHEMAS for seed in range(12)]
     params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=120,
@@ -309,7 +309,8 @@ def test_the_mask_is_llguidances_own_bit_for_bit(llm_fp32) -> None:  # noqa: ANN
     import llguidance.torch as llt
     import torch
 
-    from tandem.engine.structured import Grammars, apply_masks, disallowed_tokens
+    from tandem.engine.grammars import Grammars
+    from tandem.engine.structured import apply_masks, disallowed_tokens
 
     grammars = Grammars(llm_fp32.get_tokenizer(), 49152)
     for so in (StructuredOutputs("json_object"), StructuredOutputs("regex", "[a-z ]+"),

@@ -169,7 +169,7 @@ def test_forced_calls_name_a_tool_and_their_arguments_validate(llm_fp32, fmt) ->
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON],
                          ids=["hermes", "llama3_json", "mistral", "phi4_mini_json"])
 def test_the_forced_grammar_takes_parallel_calls_only_when_asked(llm_fp32, fmt) -> None:  # noqa: ANN001
-    from tandem.engine.structured import Grammars
+    from tandem.engine.grammars import Grammars
     from tandem.serve.tool_calls.prompt import call_text
 
     tokenizer = llm_fp32.get_tokenizer()

@@ -57,7 +57,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         launched = launch_core(args.model, engine_kwargs(args), args.log_level.upper(), args.kv_events_endpoint,
                                admission.predicts)
 
-    import torch
     import uvicorn
 
     from tandem.config import EngineConfig
@@ -67,8 +66,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.serve.startup import AnnouncingServer
     from tandem.tokenizer import load_tokenizer
 
-    # This process parses HTTP and tokenizes; the model's threads belong to the core process.
-    torch.set_num_threads(1)
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TANDEM_API_KEY"):
         keys = [os.environ["TANDEM_API_KEY"]]
@@ -96,6 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
         engine.attach_tokenizer(tokenizer)
     app = build_app(config, settings, tokenizer, engine)
+    if "torch" in sys.modules:
+        # This process parses HTTP and tokenizes (without torch where it serves one colocated core); the
+        # model's threads belong to the engine processes.
+        sys.modules["torch"].set_num_threads(1)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal with the handler that
     # was installed before it; make that one a clean exit, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from tandem.disagg.registry import WorkerHandle
-from tandem.engine.core import EngineCoreOutput
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.request import Request
 
 

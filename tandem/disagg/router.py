@@ -42,8 +42,7 @@ from tandem.disagg.router_view import cluster_view
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
-from tandem.engine.core import EngineCoreOutput
-from tandem.engine.messages import KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
+from tandem.engine.messages import EngineCoreOutput, KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape

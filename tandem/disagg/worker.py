@@ -53,10 +53,10 @@ from tandem.disagg.messages import (
 )
 from tandem.disagg.transport import KVReceiver, TransferResult, TransferStats
 from tandem.disagg.transports.factory import RoutingSender, make_receiver
-from tandem.engine.core import EngineCore, EngineCoreOutput
+from tandem.engine.core import EngineCore
 from tandem.engine.core_report import core_info, core_stats
 from tandem.engine.kv_connector import KVConnector, MultiConnector
-from tandem.engine.messages import AbortRequests, RequestsFailed
+from tandem.engine.messages import AbortRequests, EngineCoreOutput, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
 from tandem.logs import startup
@@ -109,7 +109,7 @@ class Worker(EngineService):
             connector = self.kv_recv if role == "decode" else MultiConnector([self.kv_send, self.kv_recv])
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_engine_model(config)
-        super().__init__(EngineCore(config, loaded.model, connector, loaded.tokenizer,
+        super().__init__(EngineCore(config, loaded.model, connector, lambda: loaded.tokenizer,
                                     shared_kv=self.receiver is not None and self.receiver.needs_shared_pool))
         if not self.core.runner.kv_pool.complete:
             raise ValueError(f"a worker group on {config.model.device} cannot share its ranks' KV pools with rank 0 "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,10 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import step_time_cache
+from tandem.engine.core_output import EngineCoreOutput
+from tandem.engine.grammars import Grammars
 from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.kv_layout import engine_kv_layout
-from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.scheduler import Scheduler
@@ -26,7 +28,7 @@ from tandem.engine.spec_profile import profile_speed, profile_step_cost, profile
 from tandem.engine.speed import SpeedTracker, StepSpeed
 from tandem.engine.step import SchedulerOutput, SchedulerStats
 from tandem.engine.step_meter import StepMeter
-from tandem.engine.structured import Grammars, StructuredState
+from tandem.engine.structured import StructuredState
 from tandem.kv.block_pool import BlockEvent
 from tandem.logs import startup
 from tandem.model.causal_lm import CausalLM
@@ -37,27 +39,6 @@ from tandem.speculative.decoder import SpecDecoder
 from tandem.speculative.policy import StepCost
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[SampleLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    error: str | None = None  # why the engine failed this request (finish_reason "error")
-    # With the first output token of a request that asked: its prompt tokens' logprobs, from the second.
-    prompt_logprobs: list[SampleLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 def kv_block_nbytes(config: EngineConfig, model: CausalLM) -> int:
@@ -87,8 +68,10 @@ def with_store(connector: KVConnector | None, config: EngineConfig, model: Causa
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: CausalLM, connector: KVConnector | None = None,
-                 tokenizer: Any = None, shared_kv: bool = False) -> None:
-        """shared_kv: the KV pool in memory other processes map (a prefill worker writes into it)."""
+                 tokenizer: Callable[[], Any | None] | None = None, shared_kv: bool = False) -> None:
+        """tokenizer: loads the model's tokenizer, on the first grammar-constrained request (an engine
+        needs nothing else of it). shared_kv: the KV pool in memory other processes map (a prefill
+        worker writes into it)."""
         threads = max(1, config.parallel.num_threads // config.parallel.world_size)  # each rank's share
         torch.set_num_threads(threads)
         if torch.device(config.model.device).type == "cpu":
@@ -101,7 +84,7 @@ class EngineCore:
                                  model.cfg.max_position_embeddings, num_blocks * config.cache.block_size)
         fingerprint = model.fingerprint
         if fingerprint is None:
-            fingerprint = weights_fingerprint(model.state_dict(), config.model.dtype)
+            fingerprint = weights_fingerprint(model.state_dict(), config.model.torch_dtype)
         # Part of every block's key: equal keys mean equal KV on every process and host.
         layout = engine_kv_layout(config, model.cfg)
         self.block_key_extra = (fingerprint, config.cache.block_size)
@@ -110,7 +93,8 @@ class EngineCore:
         self.connector = with_store(connector, config, model, fingerprint)
         self.runner = ModelRunner(config, model, num_blocks, self.connector, shared_kv)
         # Grammar-constrained requests need the tokenizer's strings; without one they fail in their step.
-        self.structured = StructuredState(Grammars(tokenizer, model.cfg.vocab_size)) if tokenizer is not None else None
+        self.structured = StructuredState(Grammars(None, model.cfg.vocab_size, tokenizer)) \
+            if tokenizer is not None else None
         self.runner.structured = self.structured
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    self.block_key_extra)

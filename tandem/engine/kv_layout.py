@@ -9,4 +9,4 @@ from tandem.model.arch import ArchConfig
 
 
 def engine_kv_layout(config: EngineConfig, arch: ArchConfig) -> KVLayout:
-    return kv_layout(config.cache.kv_cache_dtype, config.model.dtype, arch.head_dim)
+    return kv_layout(config.cache.kv_cache_dtype, config.model.torch_dtype, arch.head_dim)

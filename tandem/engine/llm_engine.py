@@ -23,7 +23,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.loaded = load_engine_model(config)
-        self.core = EngineCore(config, self.loaded.model, tokenizer=self.loaded.tokenizer)
+        self.core = EngineCore(config, self.loaded.model, tokenizer=lambda: self.loaded.tokenizer)
         self.tokenizer: Any | None = self.loaded.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model_limits(config, self.loaded, self.core.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.core import EngineCoreOutput
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.request import Request
 

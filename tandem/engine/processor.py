@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tandem.engine.core import EngineCoreOutput
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request

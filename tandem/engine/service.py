@@ -18,11 +18,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tandem.engine.core import EngineCore, EngineCoreOutput
+from tandem.engine.core import EngineCore
 from tandem.engine.core_report import core_stats
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
+    EngineCoreOutput,
     KVEvents,
     ReleaseKV,
     RequestsFailed,

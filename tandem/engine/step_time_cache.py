@@ -57,7 +57,7 @@ def profile_key(kind: str, config: EngineConfig, fingerprint: int, num_blocks: i
     """The key of one profile kind for this engine (fingerprint: its weights', model/fingerprint.py)."""
     parts = {
         "kind": kind, "code": code_stamp(), "torch": torch.__version__, "fingerprint": fingerprint,
-        "model": [str(config.model.dtype), config.model.quantization, config.model.deterministic],
+        "model": [str(config.model.torch_dtype), config.model.quantization, config.model.deterministic],
         "cache": [config.cache.block_size, config.cache.kv_cache_dtype, num_blocks, max_model_len],
         "scheduler": repr(config.scheduler), "parallel": repr(config.parallel),
         "speculative": repr(config.speculative), "threads": torch.get_num_threads(),

@@ -161,14 +161,14 @@ def load_engine_model(config: EngineConfig, log_level: str = "WARNING") -> Loade
     parallel = config.parallel
     m = config.model
     if parallel.world_size == 1:
-        return load_model(m.model, m.dtype, m.device, m.quantization, context=m.max_model_len)
+        return load_model(m.model, m.torch_dtype, m.device, m.quantization, context=m.max_model_len)
     cores = [rank_cores(parallel, r) for r in range(parallel.world_size)]
     # Rank 0 is the caller's own process: pinned to its cores while the group lives, as it was after.
     before = os.sched_getaffinity(0), torch.get_num_threads()
     _place(parallel, cores[0])
     try:
         shard = shard_of(parallel, 0)
-        loaded = load_model(m.model, m.dtype, m.device, m.quantization, shard=shard, context=m.max_model_len)
+        loaded = load_model(m.model, m.torch_dtype, m.device, m.quantization, shard=shard, context=m.max_model_len)
         if shard.expert_parallel and not loaded.arch.num_experts:
             raise ValueError(f"expert parallelism needs a mixture-of-experts model; {loaded.name} has no experts")
         group = WorkerGroup(config, loaded.model, log_level, cores)
@@ -200,7 +200,7 @@ def run_follower(start: RankStart) -> None:
     m = config.model
     extension.set_batch_invariant(m.deterministic)  # as rank 0's runner sets it: every rank's rows alike
     try:
-        loaded = load_model(m.model, m.dtype, m.device, m.quantization, shard=shard, context=m.max_model_len)
+        loaded = load_model(m.model, m.torch_dtype, m.device, m.quantization, shard=shard, context=m.max_model_len)
         error = None
     except Exception as e:  # told to rank 0, which reports it
         error = f"rank {shard.rank}: {type(e).__name__}: {e}"

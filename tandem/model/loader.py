@@ -6,6 +6,7 @@ Nothing here reaches a hub: a model is a local path, or the default model that t
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import sys
@@ -33,21 +34,28 @@ from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, f
 from tandem.model.rope import gguf_longrope
 from tandem.model.tensor_parallel import Shard, shard_arch, shard_weights
 from tandem.model_path import DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelLoadError, resolve_model_path
-from tandem.tokenizer import load_tokenizer
+from tandem.tokenizer import eos_token_id, load_tokenizer
 
 
 @dataclass
 class LoadedModel:
     model: CausalLM
-    tokenizer: Any | None  # a transformers tokenizer, or None for a directory without one
     arch: ArchConfig
     path: Path
     name: str
 
-    @property
+    @functools.cached_property
+    def tokenizer(self) -> Any | None:
+        """A transformers tokenizer, or None for a directory without one: loaded on first use, since an
+        engine process needs it only for its first grammar."""
+        return load_tokenizer(str(self.path))
+
+    @functools.cached_property
     def end_token_ids(self) -> tuple[int, ...]:
         """What ends a generation: the tokenizer's eos first, then every end token the model declares."""
-        return token_ids(getattr(self.tokenizer, "eos_token_id", None), self.arch.eos_token_ids)
+        eos = self.tokenizer.eos_token_id if "tokenizer" in self.__dict__ and self.tokenizer is not None \
+            else eos_token_id(str(self.path))
+        return token_ids(eos, self.arch.eos_token_ids)
 
 
 def _progress() -> Progress:
@@ -285,7 +293,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
                                           dense_dtype=dtype)
     else:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
-    tokenizer = load_tokenizer(str(path))
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else (
         path.name if path.is_dir() else path.stem)
     family = family_of(arch)
@@ -317,4 +324,4 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
                  "%.0f MiB", name, time.perf_counter() - t0, arch.num_layers, sum(forms.values()) / 2**20,
                  ", ".join(f"{form} {n / 2**20:.1f} MiB" for form, n in sorted(forms.items(), key=lambda f: -f[1])),
                  checkpoint_bytes(path) / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return LoadedModel(net, tokenizer, arch, path, name)
+    return LoadedModel(net, arch, path, name)

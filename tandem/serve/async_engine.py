@@ -22,11 +22,11 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.engine.core import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
+    EngineCoreOutput,
     Ready,
     ReleaseKV,
     RequestsFailed,
@@ -43,8 +43,7 @@ from tandem.policy.deadlines import Calibration
 from tandem.policy.prefix_index import PrefixIndex
 from tandem.restart_backoff import RestartBackoff
 from tandem.sampling_params import SamplingParams
-from tandem.serve.core_launch import CoreLaunch, core_addresses
-from tandem.serve.core_proc import run_engine_core
+from tandem.serve.core_launch import CoreLaunch, core_addresses, run_core
 from tandem.serve.engine_load import LOCAL, PREFIX_TTL_S, EngineLoad, Stream
 from tandem.serve.metrics import ServerMetrics
 
@@ -272,8 +271,8 @@ class AsyncEngine(EngineClient):
     # -- lifecycle ----------------------------------------------------------------------------
     def _spawn(self) -> None:
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, *self._addresses, self.log_level, self.kv_events_endpoint,
-                                              self.profile_speed),
+            target=run_core, args=(self.config, *self._addresses, self.log_level, self.kv_events_endpoint,
+                                   self.profile_speed),
             daemon=True, name="tandem-engine-core")
         self._proc.start()
         self._started_at = self.restart_backoff.clock()

@@ -10,7 +10,10 @@ import multiprocessing
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
 
 
 @dataclass
@@ -31,12 +34,20 @@ def run_core_from_flags(model: str | None, engine_options: dict[str, Any], input
                         log_level: str, kv_events_endpoint: str | None, profile_speed: bool) -> None:
     """Process entry point: the engine settings built here from the flags (engine/args.py engine_kwargs)."""
     from tandem.config import EngineConfig
-    from tandem.serve.core_proc import run_engine_core
 
     try:
         config = EngineConfig.from_kwargs(model, **engine_options)
     except ValueError:
         raise SystemExit(2) from None  # the server builds the same settings and reports what is wrong
+    run_core(config, input_addr, output_addr, log_level, kv_events_endpoint, profile_speed)
+
+
+def run_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str,
+             kv_events_endpoint: str | None, profile_speed: bool) -> None:
+    """Process entry point of a core the API process starts again: the engine (and torch) is imported
+    in the child, so the API process never imports it."""
+    from tandem.serve.core_proc import run_engine_core
+
     run_engine_core(config, input_addr, output_addr, log_level, kv_events_endpoint, profile_speed)
 
 

@@ -73,7 +73,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
         t0 = time.perf_counter()
         loaded = load_engine_model(config, log_level)
-        core = EngineCore(config, loaded.model, tokenizer=loaded.tokenizer)
+        core = EngineCore(config, loaded.model, tokenizer=lambda: loaded.tokenizer)
         if profile_speed:
             core.profile_speed()
         out.send_pyobj(Ready(core_info(core, loaded)))

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from tandem.engine.structured import Grammars
+from tandem.engine.grammars import Grammars
 from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from tandem.serve.app_state import Live, TextSide
 from tandem.serve.async_engine import EngineClient

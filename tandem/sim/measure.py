@@ -199,7 +199,7 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
         cost = FittedCost(coefficients, list(DEFAULT_KNOTS), float(layout.bytes_per_token(loaded.arch)),
                           loaded.arch.num_layers, core.num_blocks * config.cache.block_size, fits,
                           "shm" if "shm" in fits else next(iter(fits), "shm"), hop,
-                          meta={"model": config.model.model or "default", "dtype": str(config.model.dtype),
+                          meta={"model": config.model.model or "default", "dtype": str(config.model.torch_dtype),
                                 "quantization": config.model.quantization, "num_threads": config.parallel.num_threads,
                                 "cpu": cpu_model_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                 "fit_error": fit_error(coefficients, shapes, seconds),

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.structured import COMPACT
+from tandem.engine.grammars import COMPACT
 from tandem.sampling_params import ParamError
 from tandem.serve.tool_calls.formats import ToolFormat
 
