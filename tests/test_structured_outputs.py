@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -67,6 +68,26 @@ def test_regexes_and_choices_match_and_free_requests_are_unchanged(llm_fp32) -> 
         assert out.finish_reason == "length" and len(out.token_ids) == 200, out.finish_reason
 
 
+def test_logprobs_under_a_grammar_are_the_models_own(llm_fp32) -> None:  # noqa: ANN001
+    """A constrained request's logprobs are the model's distribution's, as without a grammar (they were
+    the masked distribution's: -inf for what the grammar forbids, which JSON cannot carry, so the API
+    answered 500): each sampled token's logprob and top tokens equal the same tokens scored as a prompt
+    without a grammar, though the grammar chose a token the model would not have."""
+    choice = StructuredOutputs("choice", json.dumps(["Lyon", "Nice"]))
+    out = llm_fp32.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8, logprobs=3,
+                                                                        structured=choice))[0]
+    sampled = out.outputs[0]
+    assert sampled.text in ("Lyon", "Nice")
+    ids = out.prompt_token_ids + sampled.token_ids
+    scored = llm_fp32.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0].prompt_logprobs
+    for i, (token, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs, strict=True)):
+        want = scored[len(out.prompt_token_ids) + i]
+        assert math.isfinite(entry[token].logprob)
+        assert entry[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+        assert sorted(t for t, e in entry.items() if e.rank <= 3) == sorted(t for t, e in want.items() if e.rank <= 3)
+    assert max(entry[t].rank for t, entry in zip(sampled.token_ids, sampled.logprobs, strict=True)) > 1
+
+
 def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_server) -> None:  # noqa: ANN001
     schema = SCHEMAS[0]
     server = shared_server(*DEFAULT_SERVER)
@@ -82,8 +103,10 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_
     assert json.dumps(json.loads(content)) == content  # compact, as json.dumps writes it
     r = chat(max_tokens=4, response_format={"type": "json_object"})
     assert r.json()["choices"][0]["finish_reason"] == "length", r.text  # cut: not an object, and says so
-    r = chat(structured_outputs={"choice": ["yes", "no"]})
+    r = chat(structured_outputs={"choice": ["yes", "no"]}, logprobs=True, top_logprobs=3)
+    assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert all(-9999 <= t["logprob"] <= 0 for t in r.json()["choices"][0]["logprobs"]["content"])
     r = chat(guided_regex="[0-9]{4}", stream=True)
     text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
                    for line in r.text.splitlines() if line.startswith("data: {") and '"choices": [{' in line)

@@ -207,8 +207,10 @@ class ModelRunner:
                 prompt_lps.setdefault(r.request_id, []).append((p, lp))
             logits = logits[:num_sampling_rows]
         if sampling:
-            logits = apply_masks(logits.cpu(), masks.result() if masks is not None else None)
-            out = sample(logits, sampling, drafts if any(drafts) else None)
+            raw = logits.cpu()
+            # Grammars mask a copy: logprobs are the model's own distribution's, as without a grammar.
+            masked = apply_masks(raw.clone(), masks.result()) if masks is not None else raw
+            out = sample(masked, sampling, drafts if any(drafts) else None, raw)
             for r, tokens, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
                 sampled[r.request_id] = tokens
                 if lp is not None:

@@ -120,9 +120,11 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None,
+           raw_logits: torch.Tensor | None = None) -> SamplerOutput:
     """logits: [R, V] in the model's dtype: one row per request in the same order, or, with drafts,
-    1 + len(drafts[i]) consecutive rows for request i.
+    1 + len(drafts[i]) consecutive rows for request i. raw_logits: the model's own where logits had
+    grammars' masks applied (the logprobs are reported from them).
 
     Greedy rows take the argmax of the logits as they are (for bf16 that is the same token as the
     argmax of their float32 copy); only rows that transform or sample are widened to float32."""
@@ -130,14 +132,14 @@ def sample(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     rows: list[Row] = [r if j == 0 else DraftRow(r, d, j) for r, d in zip(requests, drafts, strict=True)
                        for j in range(len(d) + 1)]
     params = [r.sampling_params for r in rows]
-    raw_logits = logits
+    raw_logits = logits if raw_logits is None else raw_logits
     if any(p.min_tokens or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
            for p in params):
         logits = logits.to(torch.float32, copy=True)
         _mask_min_tokens(logits, rows)
         logits = _penalise(logits, rows)
     if any(p.logit_bias for p in params):
-        if logits is raw_logits:
+        if logits is raw_logits:  # (masked logits are already a copy)
             logits = logits.to(torch.float32, copy=True)
         _add_logit_bias(logits, params)
 

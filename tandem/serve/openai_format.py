@@ -11,6 +11,13 @@ from tandem.serve.reply_parser import ReplyParser
 from tandem.serve.tool_calls.formats import ToolFormat
 from tandem.serve.tool_calls.parser import Delta, ToolCallDelta, parse_reply
 
+# JSON has no -inf: a token the model cannot emit is reported at this floor, as vLLM's server does.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
 
 class Formatter:
     """`tools`: the format a chat reply's tool calls are parsed in (None: the reply is all content);
@@ -43,8 +50,8 @@ class Formatter:
             for tid, entry in zip(token_ids, entries, strict=False):
                 tok = self._token_str(tid)
                 top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
-                content.append({"token": tok, "logprob": entry[tid].logprob, "bytes": list(tok.encode()),
-                                "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
+                content.append({"token": tok, "logprob": _finite(entry[tid].logprob), "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": self._token_str(t), "logprob": _finite(lp.logprob),
                                                   "bytes": list(self._token_str(t).encode())} for t, lp in top]})
             return {"content": content}
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -52,9 +59,9 @@ class Formatter:
         for tid, entry in zip(token_ids, entries, strict=False):
             tok = self._token_str(tid)
             tokens.append(tok)
-            token_lps.append(entry[tid].logprob if entry is not None else None)
+            token_lps.append(_finite(entry[tid].logprob) if entry is not None else None)
             top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top] if entry is not None else None
-            tops.append({self._token_str(t): lp.logprob for t, lp in top} if top is not None else None)
+            tops.append({self._token_str(t): _finite(lp.logprob) for t, lp in top} if top is not None else None)
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
