@@ -26,7 +26,7 @@ import numpy as np
 
 from tandem.cache import cache_dir
 
-FORMAT = 2  # the index's own layout (2: parsed here, not by gguf-py)
+FORMAT = 3  # the index's own layout (2: parsed here, not by gguf-py; 3: with the tokenizer's digest)
 # Arrays decoded only where needed (the tokenizer build); the index keeps their lengths.
 LARGE_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 
@@ -124,13 +124,17 @@ def _parse_header(raw: memoryview) -> dict[str, Any]:
     # The header's own fields, as gguf-py lists them among the metadata.
     meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_fields}
     lengths: dict[str, int] = {}
+    tokenizer = hashlib.sha256()
     for _ in range(n_fields):
         key = h.string()
         kind = h.scalar("I")
+        begin = h.pos
         if key in LARGE_ARRAYS:
             lengths[key] = h.value(kind, decode=False)
         else:
             meta[key] = h.value(kind)
+        if key.startswith("tokenizer.") or key == "general.architecture":  # what a tokenizer is built from
+            tokenizer.update(key.encode() + bytes(raw[begin:h.pos]))
     table = []
     for _ in range(n_tensors):
         name = h.string()
@@ -148,7 +152,7 @@ def _parse_header(raw: memoryview) -> dict[str, Any]:
             dtype = "|u1"
         tensors.append({"name": name, "type": kind, "shape": dims, "offset": start + offset, "dtype": dtype,
                         "data_shape": numpy_shape})
-    return {"meta": meta, "lengths": lengths, "tensors": tensors}
+    return {"meta": meta, "lengths": lengths, "tensors": tensors, "tokenizer_digest": tokenizer.hexdigest()[:16]}
 
 
 def _load_or_parse(path: Path) -> dict[str, Any]:
@@ -166,6 +170,12 @@ def _load_or_parse(path: Path) -> dict[str, Any]:
     except (OSError, TypeError, ValueError):
         pass  # a read-only cache, or metadata JSON cannot hold: parse again next time
     return index
+
+
+def tokenizer_digest(path: Path) -> str:
+    """A digest of the metadata a tokenizer is built from: equal for files that differ only in their
+    tensors (another quantization, a copy), so a tokenizer converted for one serves them all."""
+    return _load_or_parse(path)["tokenizer_digest"]
 
 
 def read_gguf(path: Path) -> tuple[list[IndexedTensor], dict[str, Any]]:

@@ -3,9 +3,10 @@ Hugging Face directory's tokenizer files. The model loader, the API process and 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,11 @@ def _from_directory(path: Path) -> Any:
 
 
 def _gguf_cache(path: Path) -> Path:
-    """Where a GGUF file's converted tokenizer is kept."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "tokenizers" / key
+    """Where a GGUF file's converted tokenizer is kept: keyed by the metadata it is built from, so files
+    with the same tokenizer (quantizations and copies of one model) convert it once."""
+    from tandem.gguf_index import tokenizer_digest
+
+    return cache_dir() / "tokenizers" / tokenizer_digest(path)
 
 
 def load_gguf_tokenizer(path: Path) -> Any | None:
@@ -60,7 +62,14 @@ def load_gguf_tokenizer(path: Path) -> Any | None:
         # AutoTokenizer reads the model's config first and knows fewer architectures than Tandem
         # serves (smollm3, granite ...); the fast tokenizer is built from the tokenizer.* keys alone.
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(cached)
+    # Written whole or not at all: another process may be converting the same tokenizer.
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent))
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(cached)
+    except OSError:  # the other process finished first
+        shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 
 

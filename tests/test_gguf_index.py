@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tandem.gguf_index import read_gguf
+from tandem.gguf_index import read_gguf, tokenizer_digest
 
 
 def test_the_index_matches_gguf_py_cold_and_warm(default_model_path: Path, tmp_path: Path,
@@ -33,9 +33,12 @@ def test_the_index_matches_gguf_py_cold_and_warm(default_model_path: Path, tmp_p
                 assert meta[key] == field.contents(), key
 
 
-def write_gguf(path: Path, values: np.ndarray) -> None:
+def write_gguf(path: Path, values: np.ndarray, tokens: list[str] | None = None) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_uint32("llama.block_count", 1)
+    if tokens is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
     writer.add_tensor("token_embd.weight", values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -55,3 +58,16 @@ def test_a_changed_file_is_read_again(tmp_path: Path, monkeypatch: pytest.Monkey
     [again], _ = read_gguf(path)
     assert np.array_equal(again.data, -np.arange(32).reshape(4, 8))
     assert len(list((tmp_path / "cache" / "gguf-index").glob("*.json"))) == 2
+
+
+def test_files_with_one_tokenizer_share_its_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer's digest covers the metadata a tokenizer is built from, not the tensors: files that
+    differ only in their weights (another quantization, a copy) convert their tokenizer once."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    paths = [tmp_path / f"{name}.gguf" for name in ("a", "b", "c", "d")]
+    write_gguf(paths[0], np.zeros((4, 8), np.float32), ["x", "y", "z"])
+    write_gguf(paths[1], np.ones((4, 8), np.float32), ["x", "y", "z"])  # other weights
+    write_gguf(paths[2], np.zeros((4, 8), np.float32), ["x", "y", "w"])  # another vocabulary
+    write_gguf(paths[3], np.zeros((4, 8), np.float32))  # none
+    a, b, c, d = (tokenizer_digest(p) for p in paths)
+    assert a == b and len({a, c, d}) == 3
