@@ -66,9 +66,9 @@ class RunFailed(Exception):
         super().__init__(f"{summary}: {last}" if last else summary)
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path, progress: Progress,
-                 label: str) -> None:
-    task = progress.add_task(f"{label}: waiting for /health", total=None)
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path, progress: Progress | None,
+                 label: str, poll_s: float = 1.0) -> None:
+    task = progress.add_task(f"{label}: waiting for /health", total=None) if progress is not None else None
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -79,10 +79,11 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log:
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
-            time.sleep(1)
+            time.sleep(poll_s)
         raise RunFailed(f"no 200 from /health in {timeout_s:.0f} s", log)
     finally:
-        progress.remove_task(task)
+        if progress is not None and task is not None:
+            progress.remove_task(task)
 
 
 def group_alive(pgid: int) -> bool:

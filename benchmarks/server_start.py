@@ -23,8 +23,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-from server_process import console, free_port, stop_server
+from server_process import console, free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -55,20 +54,13 @@ def cpu_seconds(pid: int) -> float:
 def one_start(tree: str, path: Path, serve_args: list[str]) -> Start:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(path)}
+    log = Path(tempfile.gettempdir()) / f"tandem-start-{port}.log"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), *serve_args],
-                            cwd=path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), *serve_args],
+                                cwd=path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{tree}: the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, log, None, tree, poll_s=0.05)
         health = time.perf_counter() - t0
         cpu = sum(cpu_seconds(p) for p in (proc.pid, *descendants(proc.pid)))
         status = Path(f"/proc/{proc.pid}/status").read_text()
@@ -77,6 +69,7 @@ def one_start(tree: str, path: Path, serve_args: list[str]) -> Start:
         return Start(tree, health, cpu, rss, torch)
     finally:
         stop_server(proc)
+        log.unlink(missing_ok=True)  # a failed start's tail is in the RunFailed raised
 
 
 @contextmanager
