@@ -30,7 +30,7 @@ SMALL = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-t
 
 def complete(server: Server, prompt: str, max_tokens: int = 8) -> dict:
     r = web.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
-                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+                 json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -91,7 +91,7 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
         assert before["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 10000.0}
         # One engine: no worker to move requests between (a cluster's live migration).
         moved = web.post(f"{server.url}/v1/cluster/workers/{core['id']}/migrate",
-                           headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+                         headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
         assert moved.status_code == 404 and "one engine" in moved.json()["error"]["message"]
 
         for i in range(3):

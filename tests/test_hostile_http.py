@@ -186,7 +186,7 @@ def test_tokenization_runs_off_the_event_loop(server: Server) -> None:
 
 def test_the_server_still_serves_after_all_that(server: Server) -> None:
     r = web.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
-                   timeout=60)
+                 timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
 

@@ -150,7 +150,7 @@ def test_errors_are_4xx_in_anthropics_shape(server, client) -> None:  # noqa: AN
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", r.text
         assert says in error["error"]["message"], (body, r.text)
     r = web.post(f"{server.url}/v1/messages", content=b"{not json", timeout=60,
-                   headers={"content-type": "application/json"})
+                 headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     # The OpenAI routes keep OpenAI's shape.
     r = web.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=60)

@@ -250,7 +250,7 @@ def test_request_timeout_and_sigterm() -> None:
     try:
         s.wait_ready()
         r = web.post(f"{s.url}/v1/completions", json={"prompt": "Go", "max_tokens": 4000, "ignore_eos": True},
-                       timeout=60)
+                     timeout=60)
         assert r.status_code == 408 and r.json()["error"]["type"] == "TimeoutError"
         aborted = [line for line in web.get(f"{s.url}/metrics").text.splitlines()
                    if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line]
@@ -324,7 +324,7 @@ def test_logit_bias_forces_and_bans_tokens(server: Server) -> None:
     assert complete(logit_bias={"28": 100})["text"] == token * 4  # every token the biased one
     plain = complete()["logprobs"]["tokens"]
     first = web.post(f"{server.url}/tokenize", json={"prompt": plain[0], "add_special_tokens": False},
-                       timeout=30).json()["tokens"]
+                     timeout=30).json()["tokens"]
     assert len(first) == 1
     assert complete(logit_bias={str(first[0]): -100})["logprobs"]["tokens"][0] != plain[0]
 
@@ -348,7 +348,7 @@ def test_logit_bias_keys_are_ascii_token_ids_and_values_numbers(server: Server, 
         what = "values must be numbers" if "12" in bias else "keys must be token ids written as ASCII digits"
         assert err["message"].startswith(f"logit_bias {what} (got {says}"), err
     ok = web.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"12": 5}},
-                    timeout=30)
+                  timeout=30)
     assert ok.status_code == 200, ok.text
 
 

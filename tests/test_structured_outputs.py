@@ -93,7 +93,7 @@ def test_the_api_takes_response_format_and_refuses_what_does_not_compile(shared_
     server = shared_server(*DEFAULT_SERVER)
     def chat(**fields: object) -> httpx.Response:
         return web.post(f"{server.url}/v1/chat/completions", timeout=120,
-                          json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
+                        json={"messages": PROMPT, "max_tokens": 80, "temperature": 0.7, "seed": 1, **fields})
 
     r = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
                                                                        "strict": True}})
@@ -158,8 +158,8 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
 
     def run(url: str) -> list[str]:
         return [web.post(f"{url}/v1/chat/completions", timeout=120,
-                           json={"messages": PROMPT, "max_tokens": 60, "temperature": 0, **f}
-                           ).json()["choices"][0]["message"]["content"] for f in fields]
+                         json={"messages": PROMPT, "max_tokens": 60, "temperature": 0, **f}
+                         ).json()["choices"][0]["message"]["content"] for f in fields]
 
     with running_server(*args) as colocated:
         expected = run(colocated.url)

@@ -213,5 +213,5 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_group_restarts() -> Non
             time.sleep(0.5)
         assert _followers(s.proc.pid) not in ([], [rank1])
         r = web.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
-                       timeout=60)
+                     timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

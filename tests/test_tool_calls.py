@@ -280,7 +280,7 @@ def test_the_openai_client_round_trip(shared_server) -> None:  # noqa: ANN001
                               "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
                             "tool_choice": "required"}, "tools")):
         r = web.post(f"{server.url}/v1/chat/completions", timeout=60,
-                       json={"messages": ASK, "tools": tools, "max_tokens": 5} | fields)
+                     json={"messages": ASK, "tools": tools, "max_tokens": 5} | fields)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
     broken = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                            "function": {"name": "f", "arguments": "{oops"}}]}]
