@@ -49,8 +49,9 @@ from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
 from tandem.disagg.routing import Pick, Router
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo
-from tandem.engine.messages import AbortRequests, AddRequests, EngineCoreOutput
+from tandem.engine.messages import AbortRequests, AddRequests
 from tandem.kv.hashing import block_keys
 from tandem.policy.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.serve.async_engine import EngineDeadError

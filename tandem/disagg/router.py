@@ -42,7 +42,8 @@ from tandem.disagg.router_view import cluster_view
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
-from tandem.engine.messages import EngineCoreOutput, KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
+from tandem.engine.core_output import EngineCoreOutput
+from tandem.engine.messages import KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape

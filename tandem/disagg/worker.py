@@ -54,9 +54,10 @@ from tandem.disagg.messages import (
 from tandem.disagg.transport import KVReceiver, TransferResult, TransferStats
 from tandem.disagg.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats
 from tandem.engine.kv_connector import KVConnector, MultiConnector
-from tandem.engine.messages import AbortRequests, EngineCoreOutput, RequestsFailed
+from tandem.engine.messages import AbortRequests, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
 from tandem.logs import startup

@@ -93,7 +93,7 @@ class EngineCore:
         self.connector = with_store(connector, config, model, fingerprint)
         self.runner = ModelRunner(config, model, num_blocks, self.connector, shared_kv)
         # Grammar-constrained requests need the tokenizer's strings; without one they fail in their step.
-        self.structured = StructuredState(Grammars(None, model.cfg.vocab_size, tokenizer)) \
+        self.structured = StructuredState(Grammars(None, model.cfg.vocab_size, load=tokenizer)) \
             if tokenizer is not None else None
         self.runner.structured = self.structured
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,

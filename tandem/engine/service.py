@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.core import EngineCore
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_stats
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
-    EngineCoreOutput,
     KVEvents,
     ReleaseKV,
     RequestsFailed,

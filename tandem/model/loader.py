@@ -56,9 +56,7 @@ class LoadedModel:
     @functools.cached_property
     def end_token_ids(self) -> tuple[int, ...]:
         """What ends a generation: the tokenizer's eos first, then every end token the model declares."""
-        eos = self.tokenizer.eos_token_id if "tokenizer" in self.__dict__ and self.tokenizer is not None \
-            else eos_token_id(str(self.path))
-        return token_ids(eos, self.arch.eos_token_ids)
+        return token_ids(eos_token_id(str(self.path)), self.arch.eos_token_ids)
 
 
 @functools.lru_cache(maxsize=4)

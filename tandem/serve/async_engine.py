@@ -22,11 +22,11 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
+from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
-    EngineCoreOutput,
     Ready,
     ReleaseKV,
     RequestsFailed,
