@@ -6,6 +6,7 @@ import copy
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -92,6 +93,15 @@ def make_llm() -> Callable[..., object]:
 DEFAULT_SERVER = ("--kv-cache-memory", "0.5")
 # For tests that compare tokens or logprobs with transformers in float32 (each says so).
 FP32_SERVER = ("--dtype", "float32", "--kv-cache-memory", "0.25")
+# Suffix speculation with a fixed draft length (no adaptive policy: the tests need drafts to be made).
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False}
+# The session's 1P1D deployment of the default model (float32: its tests compare tokens with the in-process
+# engine's): every prompt through the pair, a small token budget (chunked prefill: layer-wise transfers over
+# several steps) and speculating workers. A grammar-constrained request gets no drafts, so the structured
+# outputs' test shares it with the speculative one.
+FP32_1P1D = (*FP32_SERVER, "--max-num-batched-tokens", "64", "--speculative-config", json.dumps(SUFFIX),
+             "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+             "--path-policy", "disaggregated")
 
 
 @pytest.fixture(scope="session")

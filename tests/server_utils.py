@@ -42,7 +42,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError("server did not become healthy")
 
     def metric(self, name: str) -> float:
@@ -61,6 +61,16 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
 
 
 @contextmanager

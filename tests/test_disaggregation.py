@@ -29,7 +29,7 @@ from cluster_utils import (
     wait_blocks_free,
     worker_pid,
 )
-from server_utils import Server, running_server, web
+from server_utils import Server, children, running_server, torch_mapped, web
 
 pytestmark = pytest.mark.slow
 
@@ -144,6 +144,10 @@ def test_streaming_through_the_router_equals_non_streaming(disagg_server: Server
     r = web.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     wait_blocks_free(s)
+    # The router process parses, tokenizes and routes without torch (its workers alone compute): after the
+    # requests above none of torch's libraries is mapped into it, while both workers' are.
+    assert not torch_mapped(s.proc.pid)
+    assert len([pid for pid in children(s.proc.pid) if torch_mapped(pid)]) == 2
 
 
 def _stream_until_error(url: str, model: str, result: dict, key: int, max_tokens: int,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FP32_1P1D, SUFFIX
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem import SamplingParams
@@ -28,7 +29,6 @@ from tandem.speculative.policy import SpecPolicy, StepCost
 from tandem.speculative.suffix import SuffixProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 6, "adaptive": False}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False}
 # Chi-square critical values at p = 1e-4, by degrees of freedom: the tests are deterministic (fixed
 # seeds), and a biased sampler lands far above them at these sample sizes.
 CHI2_CRITICAL = {4: 23.51, 15: 42.58}
@@ -325,30 +325,28 @@ def test_sampled_outputs_follow_transformers_probabilities_on_a_tiny_model(tmp_p
 
 
 @pytest.mark.slow
-def test_decode_workers_of_a_1p1d_deployment_speculate_losslessly(make_llm) -> None:  # noqa: ANN001
-    """Greedy and seeded outputs through a router, a prefill and a speculating decode worker equal
-    the offline engine's without speculation; the router's /metrics counts the decode worker's drafts."""
+def test_decode_workers_of_a_1p1d_deployment_speculate_losslessly(make_llm, shared_server) -> None:  # noqa: ANN001
+    """Greedy and seeded outputs through a router, a prefill and a speculating decode worker (the session's
+    1P1D deployment) equal the offline engine's without speculation; the router's /metrics counts the decode
+    worker's drafts."""
     import openai
-    from server_utils import running_server
 
     prompts = copy_prompts()
-    common = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "64")
     base = make_llm(dtype="float32", kv_cache_memory=0.25, max_num_batched_tokens=64)
     greedy = [o.outputs[0].text for o in _greedy(base, prompts, 48)]
     seeded_params = [SamplingParams(temperature=0.8, seed=7, max_tokens=32) for _ in prompts]
     seeded = [o.outputs[0].text for o in base.generate(prompts, seeded_params)]
-    with running_server(*common, "--speculative-config", json.dumps(SUFFIX), "--prefill-workers", "1",
-                        "--decode-workers", "1", "--worker-cores", "0", "1", "--path-policy", "disaggregated") as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        for prompt, text in zip(prompts, greedy, strict=True):
-            assert client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0
-                                             ).choices[0].text == text
-        for prompt, text in zip(prompts, seeded, strict=True):
-            assert client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0.8, seed=7
-                                             ).choices[0].text == text
-        # Streaming delivers accepted drafts as they arrive and adds up to the same text.
-        stream = client.completions.create(model=model, prompt=prompts[0], max_tokens=48, temperature=0, stream=True)
-        assert "".join(c.choices[0].text for c in stream) == greedy[0]
-        assert s.metric("spec_decode_num_accepted_tokens_total") > 0
-        assert s.metric("spec_decode_num_draft_tokens_total") >= s.metric("spec_decode_num_accepted_tokens_total")
+    s = shared_server(*FP32_1P1D)
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    for prompt, text in zip(prompts, greedy, strict=True):
+        assert client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0
+                                         ).choices[0].text == text
+    for prompt, text in zip(prompts, seeded, strict=True):
+        assert client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0.8, seed=7
+                                         ).choices[0].text == text
+    # Streaming delivers accepted drafts as they arrive and adds up to the same text.
+    stream = client.completions.create(model=model, prompt=prompts[0], max_tokens=48, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == greedy[0]
+    assert s.metric("spec_decode_num_accepted_tokens_total") > 0
+    assert s.metric("spec_decode_num_draft_tokens_total") >= s.metric("spec_decode_num_accepted_tokens_total")

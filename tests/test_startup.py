@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from server_utils import free_port, web
+from server_utils import children, free_port, torch_mapped, web
 
 from tandem.cli import build_parser
 from tandem.logs import JsonFormatter
@@ -32,16 +32,6 @@ def test_json_log_lines_carry_the_event_fields() -> None:
     assert line["msg"] == "worker decode-0 joined" and line["level"] == "info" and line["process"] == "router"
     assert (line["event"], line["role"]) == ("worker_joined", "decode")
     assert line["ts"].endswith("+00:00")
-
-
-def torch_mapped(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return "libtorch" in f.read()
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def test_serve_reports_its_progress_and_where_it_serves() -> None:
@@ -141,3 +131,18 @@ def test_the_command_line_parses_without_torch_so_the_core_starts_first() -> Non
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_process_leaving_with_exit_now_still_runs_its_exit_handlers(tmp_path) -> None:  # noqa: ANN001
+    """Servers, workers and cores leave with exit_now (no interpreter teardown): what a normal exit does for
+    them still happens. atexit handlers run, a temporary directory's finalizer removes it, buffered
+    stdout and log lines are written, and the code is the process's exit status."""
+    code = ("import atexit, logging, sys, tempfile; from tandem.process_exit import exit_now; "
+            f"d = tempfile.TemporaryDirectory(dir={str(tmp_path)!r}); "
+            "atexit.register(lambda: print('handler ran', end=' ')); "
+            "logging.basicConfig(stream=sys.stderr); logging.getLogger('t').warning('logged'); "
+            "print('buffered', end=' '); exit_now(3)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert out.stdout.split() == ["buffered", "handler", "ran"] and "logged" in out.stderr
+    assert list(tmp_path.iterdir()) == []

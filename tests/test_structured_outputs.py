@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import httpx
 import jsonschema
 import pytest
-from conftest import DEFAULT_SERVER
-from server_utils import running_server, web
+from conftest import DEFAULT_SERVER, FP32_1P1D, FP32_SERVER
+from server_utils import web
 
 from tandem import SamplingParams
 from tandem.sampling_params import StructuredOutputs
@@ -149,10 +149,10 @@ def test_request_fields_and_the_server_default_set_strict_and_whitespace(llm_fp3
 
 
 @pytest.mark.slow
-def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side() -> None:
+def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side(shared_server) -> None:  # noqa: ANN001
     """The prefill worker samples the first token under the mask; the decode worker's matcher is fed
-    that token and constrains the rest: the outputs equal the colocated engine's."""
-    args = ("--dtype", "float32", "--kv-cache-memory", "0.25")
+    that token and constrains the rest (the session's 1P1D deployment: constrained requests get no drafts): the
+    outputs equal the colocated server's."""
     fields = [{"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{2}"}, {"guided_choice": ["alpha", "beta", "gamma"]},
               {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[0]}}}]
 
@@ -161,11 +161,8 @@ def test_a_disaggregated_deployment_constrains_the_prefill_and_the_decode_side()
                          json={"messages": PROMPT, "max_tokens": 60, "temperature": 0, **f}
                          ).json()["choices"][0]["message"]["content"] for f in fields]
 
-    with running_server(*args) as colocated:
-        expected = run(colocated.url)
-    with running_server(*args, "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
-                        "--path-policy", "disaggregated") as pair:
-        assert run(pair.url) == expected
+    expected = run(shared_server(*FP32_SERVER).url)
+    assert run(shared_server(*FP32_1P1D).url) == expected
     assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", expected[0]) and expected[1] in ("alpha", "beta", "gamma")
     jsonschema.validate(json.loads(expected[2]), SCHEMAS[0])
 

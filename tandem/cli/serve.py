@@ -8,6 +8,7 @@ import sys
 
 from tandem.cli.cluster import disaggregated_engine
 from tandem.cli.serve_args import add_serve_parser
+from tandem.config import EngineConfig
 from tandem.engine.args import engine_kwargs
 from tandem.policy.admission import AdmissionSettings
 
@@ -50,16 +51,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
     startup.info("admission: %s", admission.describe(slo, router=cluster))
-    launched = None
-    if not cluster:
-        # Started before this process imports torch, the app and the tokenizer: the core's start overlaps them.
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    # The engine processes start before this process imports the app and loads the tokenizer, so their
+    # start (torch, the model, the KV pool) overlaps that.
+    launched = engine = None
+    if cluster:
+        engine = disaggregated_engine(args, config, None)
+        startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
+                     args.decode_workers, args.workers)
+        engine.launch()
+    else:
         startup.info("starting the engine core process")
         launched = launch_core(args.model, engine_kwargs(args), args.log_level.upper(), args.kv_events_endpoint,
                                admission.predicts)
 
     import uvicorn
 
-    from tandem.config import EngineConfig
     from tandem.model_path import DEFAULT_MODEL_NAME
     from tandem.serve.api import ServerSettings, build_app
     from tandem.serve.async_engine import AsyncEngine
@@ -69,7 +76,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TANDEM_API_KEY"):
         keys = [os.environ["TANDEM_API_KEY"]]
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
                               args.log_level.upper(), args.kv_events_endpoint,
                               max_request_body_bytes=args.max_request_body_bytes,
@@ -82,16 +88,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               slo=slo, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               max_stored_responses=args.max_stored_responses,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
-    if cluster:
-        tokenizer = load_tokenizer(args.model)
-        engine = disaggregated_engine(args, config, tokenizer)
-        startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
-                     args.decode_workers, args.workers)
-    else:
+    if engine is None:
         engine = AsyncEngine(config, None, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
                              profile_speed=settings.admission.predicts, launched=launched)
-        tokenizer = load_tokenizer(args.model)
-        engine.attach_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(args.model)
+    engine.attach_tokenizer(tokenizer)
     app = build_app(config, settings, tokenizer, engine)
     if "torch" in sys.modules:
         # This process parses HTTP and tokenizes (without torch where it serves one colocated core); the

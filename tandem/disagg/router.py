@@ -38,7 +38,7 @@ from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.prediction import Predictor
 from tandem.disagg.registry import WorkerHandle, WorkerRegistry
 from tandem.disagg.restarts import Restarter
-from tandem.disagg.router_view import cluster_view
+from tandem.disagg.router_view import cluster_health, cluster_snapshot, cluster_view
 from tandem.disagg.routing import Router, RoutingSettings
 from tandem.disagg.settings import RouterCounters, RouterSettings
 from tandem.disagg.store_view import StoreView
@@ -102,7 +102,12 @@ class DisaggEngine(EngineClient):
         return self.registry.workers
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
+    def launch(self) -> None:
+        """Bind the workers' socket and start the workers this router launches. Synchronous, so a server
+        calls it before its own imports and tokenizer load, which then overlap the workers' start (their
+        messages wait in the socket until start() reads them); start() does it if nobody did."""
+        if self.address:
+            return
         bind = self.settings.bind
         if bind.startswith("tcp://") and bind.endswith(":0"):
             port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -116,6 +121,9 @@ class DisaggEngine(EngineClient):
             startup.info("started %d local workers; waiting for them to join", started)
         else:
             startup.info("waiting for a worker to join (tandem worker --router %s)", self.address)
+
+    async def start(self) -> None:
+        self.launch()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         if self.planning is not None:
             self._tasks.append(asyncio.create_task(self.planning.run()))
@@ -157,12 +165,7 @@ class DisaggEngine(EngineClient):
         metrics.collectors.append(lambda: exporter.collect(self._snapshot()))
 
     def _snapshot(self) -> ClusterSnapshot:
-        p = self.planning
-        settled = p.planner.predictions.last_settled() if p is not None else None
-        goodput = (settled.predicted_rps, settled.measured_rps or 0.0) if settled is not None else None
-        return ClusterSnapshot(self.workers.values(), self.counters, self.restarter.count,
-                               p.flips if p is not None else None, p.planner.last_forecast_tok_s if p else 0.0,
-                               goodput)
+        return cluster_snapshot(self.registry, self.counters, self.restarter.count, self.planning)
 
     @property
     def healthy(self) -> bool:
@@ -186,12 +189,7 @@ class DisaggEngine(EngineClient):
         return self.registry.shape(self.step_budget, chunk)
 
     def health(self) -> dict[str, Any]:
-        """ok, degraded (a role has no live worker: requests still run, colocated) or unhealthy."""
-        reasons = [f"no live {role} worker" for role in sorted({w.role for w in self.workers.values()})
-                   if not self.registry.live(role)]
-        if not self.healthy:
-            return {"status": "unhealthy", "reasons": reasons or [self.dead or "no live workers"]}
-        return {"status": "degraded" if reasons else "ok", "reasons": reasons}
+        return cluster_health(self.registry, self.healthy, self.dead)
 
     # -- messaging ----------------------------------------------------------------------------
     async def _send(self, worker: WorkerHandle, msg: object) -> bool:

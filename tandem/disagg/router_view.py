@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tandem.disagg.metrics import ClusterSnapshot
 from tandem.disagg.planning import PlannerLoop
 from tandem.disagg.registry import WorkerRegistry
 from tandem.disagg.settings import RouterCounters
@@ -36,3 +37,22 @@ def cluster_view(registry: WorkerRegistry, c: RouterCounters, address: str, in_f
     planner = planning.view() if planning is not None else None
     return {"mode": "disaggregated", "router": router, "workers": workers, "transfers": transfers,
             "planner": planner}
+
+
+def cluster_snapshot(registry: WorkerRegistry, c: RouterCounters, restarts: int,
+                     planning: PlannerLoop | None) -> ClusterSnapshot:
+    """What the router's metrics export: its workers, counters, restarts and the planner's forecasts."""
+    p = planning
+    settled = p.planner.predictions.last_settled() if p is not None else None
+    goodput = (settled.predicted_rps, settled.measured_rps or 0.0) if settled is not None else None
+    return ClusterSnapshot(registry.workers.values(), c, restarts, p.flips if p is not None else None,
+                           p.planner.last_forecast_tok_s if p else 0.0, goodput)
+
+
+def cluster_health(registry: WorkerRegistry, healthy: bool, dead: str | None) -> dict[str, Any]:
+    """ok, degraded (a role has no live worker: requests still run, colocated) or unhealthy."""
+    reasons = [f"no live {role} worker" for role in sorted({w.role for w in registry.workers.values()})
+               if not registry.live(role)]
+    if not healthy:
+        return {"status": "unhealthy", "reasons": reasons or [dead or "no live workers"]}
+    return {"status": "degraded" if reasons else "ok", "reasons": reasons}

@@ -18,10 +18,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router imports these types and holds no tensors: it never imports torch
+    import torch
 
-from tandem.kv.pool import KVPool
+    from tandem.kv.pool import KVPool
 
 
 class TransferError(RuntimeError):

@@ -42,6 +42,7 @@ from tandem.model.tensor_parallel import Shard, head_ranges
 from tandem.ops import extension
 from tandem.parallel.comm import GroupAddress, GroupComm, start_rendezvous
 from tandem.parallel.shm import GroupFailed
+from tandem.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +234,7 @@ def main() -> None:
     except GroupFailed as e:
         log.error("rank %d leaves its group: %s", start.shard.rank, e)
         sys.exit(1)
+    exit_now(0)  # its group closed: skip the interpreter's teardown (process_exit.py)
 
 
 if __name__ == "__main__":

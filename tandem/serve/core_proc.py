@@ -25,6 +25,7 @@ from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.messages import KVEvents, Ready, StartupFailed
 from tandem.engine.service import EngineService
+from tandem.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +93,4 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         kv_pub.close(linger=0)
     inp.close(linger=0)
     ctx.term()
+    exit_now(0)  # everything is closed: skip the interpreter's teardown (process_exit.py)
