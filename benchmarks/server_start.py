@@ -1,5 +1,6 @@
-"""How long `tandem serve` takes to answer /health, the CPU its processes spend getting there, and what
-the API process holds: its resident memory and whether torch is mapped into it. Optionally side by
+"""How long `tandem serve` takes to answer /health, the CPU its processes spend getting there, what the
+API process holds (its resident memory, whether torch is mapped into it) and how long the whole process
+tree takes to exit after SIGTERM. Optionally side by
 side with another revision (a git worktree run by the same interpreter), one start of each in turn so
 that a noisy machine weighs on both alike.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from server_process import console, free_port, stop_server, wait_healthy
+from server_process import console, free_port, group_alive, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -36,6 +38,7 @@ class Start:
     cpu_s: float  # user + system seconds of the server and every process under it, at that moment
     api_rss_mib: float
     api_has_torch: bool
+    stop_s: float  # from SIGTERM to the last process of the tree gone
 
 
 def descendants(pid: int) -> list[int]:
@@ -66,7 +69,12 @@ def one_start(tree: str, path: Path, serve_args: list[str]) -> Start:
         status = Path(f"/proc/{proc.pid}/status").read_text()
         rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
         torch = "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text()
-        return Start(tree, health, cpu, rss, torch)
+        t1 = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        while group_alive(proc.pid):
+            time.sleep(0.005)
+        return Start(tree, health, cpu, rss, torch, time.perf_counter() - t1)
     finally:
         stop_server(proc)
         log.unlink(missing_ok=True)  # a failed start's tail is in the RunFailed raised
@@ -102,12 +110,13 @@ def main() -> None:
     summary = {}
     for name in trees:
         mine = [s for s in starts if s.tree == name]
-        summary[name] = {key: statistics.median(getattr(s, key) for s in mine)
-                         for key in ("health_s", "cpu_s", "api_rss_mib")} | {"api_has_torch": mine[0].api_has_torch}
+        keys = ("health_s", "cpu_s", "api_rss_mib", "stop_s")
+        summary[name] = {key: statistics.median(getattr(s, key) for s in mine) for key in keys} | \
+            {"api_has_torch": mine[0].api_has_torch}
         m = summary[name]
         torch = "mapped" if m["api_has_torch"] else "not mapped"
         console.print(f"  {name:>22}: /health in {m['health_s']:.2f} s (median), {m['cpu_s']:.2f} CPU-s by then, "
-                      f"API process {m['api_rss_mib']:.0f} MiB resident, torch {torch}"
+                      f"API process {m['api_rss_mib']:.0f} MiB resident, torch {torch}, stopped in {m['stop_s']:.2f} s"
                       f"  [{', '.join(f'{s.health_s:.2f}' for s in mine)} s]")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"serve_args": args.serve_args, "summary": summary,
