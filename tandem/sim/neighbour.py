@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from tandem.process_exit import exit_now
+
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.config import EngineConfig
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     scenario = Scenario(args.prefill_tokens, args.decode_batch, args.decode_context)
     os.sched_setaffinity(0, parse_cores(args.cores))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Told to stop between two of its steps: nothing to close, so no interpreter teardown (0.4 s) to wait for.
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     parent = os.getppid()
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     loaded = load_engine_model(config)
