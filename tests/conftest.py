@@ -135,14 +135,21 @@ def passages() -> list[str]:
     return [p for p in (DATA / "passages.txt").read_text().splitlines() if p.strip()]
 
 
+@functools.cache
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:  # size and mtime: a changed file hashes again
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _kept_conversion(path: Path, what: str) -> Path:
-    """Where transformers' conversion of a GGUF file is kept on this machine (keyed by the file and the
-    libraries' versions)."""
+    """Where transformers' conversion of a GGUF file is kept on this machine: keyed by the file's bytes (not
+    its path: the default model's file lives in the virtual environment, so a fresh checkout's path is new
+    and its conversion, 10-45 s, was done again on every CI run) and the libraries' versions."""
     import transformers
 
     stat = path.stat()
     versions = [transformers.__version__, importlib.metadata.version("gguf"), torch.__version__]
-    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{versions}"
+    ident = f"{path.name}:{_file_digest(path.resolve(), stat.st_size, stat.st_mtime_ns)}:{versions}"
     return Path(tempfile.gettempdir()) / f"tandem-tests-{os.getuid()}" / \
         f"hf-{what}-{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 

@@ -1,10 +1,14 @@
 """The neighbour process `tandem profile` times its steps beside (neighbours.py): the same engine on the
-host's other cores, running prefills or decode batches without end."""
+host's other cores, running prefills or decode batches without end. A kind written to its stdin (a line,
+"prefill" or "decode") switches it, after a warm-up of that kind and another "ready": one process, and one
+model load, serves both neighbours. It runs the kinds in KINDS order, prefill first: a decode neighbour's
+batch is long, so a switch away from decode would wait for it."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 
@@ -39,15 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(config, loaded.model)
     rng = np.random.default_rng(0)
     vocab = loaded.arch.vocab_size
-    # A decode neighbour's batch runs long: its prompts' own prefill is rare next to its decode steps.
-    steps = NEIGHBOUR_DECODE_STEPS if args.kind == "decode" else 1
-    run_steps(core, args.kind, rng, vocab, "warmup", scenario, decode_steps=4)
-    print("ready", flush=True)
-    i = 0
-    while os.getppid() == parent:
-        run_steps(core, args.kind, rng, vocab, str(i), scenario, decode_steps=steps)
-        i += 1
-    return 0
+    kind, i = args.kind, 0
+    while True:
+        run_steps(core, kind, rng, vocab, f"warmup-{kind}", scenario, decode_steps=4)
+        print("ready", flush=True)
+        # A decode neighbour's batch runs long: its prompts' own prefill is rare next to its decode steps.
+        steps = NEIGHBOUR_DECODE_STEPS if kind == "decode" else 1
+        while os.getppid() == parent and not select.select([sys.stdin], [], [], 0)[0]:
+            run_steps(core, kind, rng, vocab, str(i), scenario, decode_steps=steps)
+            i += 1
+        line = sys.stdin.readline().strip() if os.getppid() == parent else ""
+        if line not in ("prefill", "decode"):  # the parent went away or closed its end
+            return 0
+        kind = line
 
 
 if __name__ == "__main__":

@@ -68,14 +68,27 @@ def median_step(core: EngineCore, kind: str, rng: np.random.Generator, vocab: in
 def start_neighbour(kind: str, cores: list[int], engine_argv: list[str], scenario: Scenario) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-m", "tandem.sim.neighbour", "--kind", kind, "--cores",
                              ",".join(map(str, cores)), *scenario.argv(), *engine_argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    _wait_ready(proc, kind)
+    return proc
+
+
+def switch_neighbour(proc: subprocess.Popen[str], kind: str) -> None:
+    """The same neighbour process, now running steps of this kind (neighbour.py)."""
+    assert proc.stdin is not None
+    proc.stdin.write(f"{kind}\n")
+    proc.stdin.flush()
+    _wait_ready(proc, kind)
+
+
+def _wait_ready(proc: subprocess.Popen[str], kind: str) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until it is warm, or dies
     if line.strip() != "ready":
         proc.kill()
         proc.wait()
         raise RuntimeError(f"the {kind} neighbour did not start (exit {proc.poll()})")
-    return proc
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -98,14 +111,19 @@ def measure_neighbours(core: EngineCore, engine_argv: list[str], vocab: int, pro
     rng = np.random.default_rng(seed)
     before = {own: median_step(core, own, rng, vocab, "alone", repeats, scenario) for own in KINDS}
     beside: dict[str, dict[str, float]] = {}
-    for theirs in KINDS:
-        progress(f"co-location: a {theirs} neighbour on cores {','.join(map(str, cores))}")
-        proc = start_neighbour(theirs, cores, engine_argv, scenario)
-        try:
+    proc = None
+    try:
+        for theirs in KINDS:  # prefill first: neighbour.py switches away from a decode batch only at its end
+            progress(f"co-location: a {theirs} neighbour on cores {','.join(map(str, cores))}")
+            if proc is None:
+                proc = start_neighbour(theirs, cores, engine_argv, scenario)
+            else:
+                switch_neighbour(proc, theirs)
             for own in KINDS:
                 beside.setdefault(own, {})[theirs] = median_step(core, own, rng, vocab, f"beside-{theirs}", repeats,
                                                                  scenario)
-        finally:
+    finally:
+        if proc is not None:
             stop(proc)
     after = {own: median_step(core, own, rng, vocab, "alone-after", repeats, scenario) for own in KINDS}
     alone = {own: (before[own] + after[own]) / 2 for own in KINDS}
