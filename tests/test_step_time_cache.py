@@ -95,3 +95,18 @@ def test_the_code_stamp_follows_the_sources_content_not_where_or_when_they_were_
     shutil.copytree(copy, fresh)
     (fresh / "engine" / "step_time_cache.py").write_text(some.read_text() + "\n# changed\n")
     assert step_time_cache.code_stamp(fresh) != step_time_cache.code_stamp()
+
+
+def test_the_code_stamp_covers_what_runs_a_step_and_not_the_layers_above_it(tmp_path: Path) -> None:
+    """A change to the server, router or CLI (which the engine never imports) keeps the profiles; a change
+    to a model or a kernel's Python side, or a settings module below the engine, makes new ones."""
+    base = tmp_path / "tandem"
+    shutil.copytree(step_time_cache.PACKAGE_ROOT, base, ignore=shutil.ignore_patterns("__pycache__"))
+    stamp = step_time_cache.code_stamp(base)
+    for layer, same in (("serve/api.py", True), ("disagg/router.py", True), ("cli/serve.py", True), ("llm.py", True),
+                        ("model/llama.py", False), ("ops/extension.py", False), ("config.py", False)):
+        changed = tmp_path / layer.replace("/", "-")
+        shutil.copytree(base, changed)
+        source = changed / layer
+        source.write_text(source.read_text() + "\n# changed\n")
+        assert (step_time_cache.code_stamp(changed) == stamp) is same, layer
