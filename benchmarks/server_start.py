@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from server_process import console, free_port, stop_server, wait_healthy
+from server_process import console, free_port, group_alive, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -54,19 +54,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
-def running_in_group(pgid: int) -> bool:
-    """Whether a process of the group still runs. Zombies do not count: an exited process reparented to
-    this container's init (multiprocessing's resource tracker) waits there a second or two to be reaped."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
-            return True
-    return False
-
-
 def one_start(tree: str, path: Path, serve_args: list[str]) -> Start:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(path)}
@@ -85,7 +72,7 @@ def one_start(tree: str, path: Path, serve_args: list[str]) -> Start:
         t1 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-        while running_in_group(proc.pid):
+        while group_alive(proc.pid):
             time.sleep(0.005)
         return Start(tree, health, cpu, rss, torch, time.perf_counter() - t1)
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 import zmq
-from server_utils import Server, cmdline, free_port, running_server, web
+from server_utils import Server, children, cmdline, free_port, running_server, web
 
 from tandem.engine.messages import KVEvents
 
@@ -286,9 +285,7 @@ def test_a_killed_engine_core_is_started_again() -> None:
     """kill -9 of the engine process: 503s and an unhealthy /health meanwhile, never a hang; a request
     waiting for its first token is sent again to the new core and succeeds."""
     with running_server(*SERVER_ARGS) as s:
-        core = next(int(pid) for pid in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
-                                                       text=True).stdout.split()
-                    if b"spawn_main" in cmdline(int(pid)))
+        core = next(pid for pid in children(s.proc.pid) if b"spawn_main" in cmdline(pid))
         waiting: dict[str, httpx.Response] = {}
         # A prompt of 1,500 tokens in 256-token steps: still prefilling, no output yet, when the core dies.
         thread = threading.Thread(target=lambda: waiting.update(r=web.post(

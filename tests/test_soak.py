@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from server_utils import running_server, web
+from server_utils import children, running_server, web
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 512
@@ -33,9 +32,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def engine_rss_kib(server_pid: int) -> int:
     """Resident memory of the engine core: the server's child process running the model."""
-    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
     rss = 0
-    for pid in children:
+    for pid in children(server_pid):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -110,3 +110,13 @@ def test_the_code_stamp_covers_what_runs_a_step_and_not_the_layers_above_it(tmp_
         source = changed / layer
         source.write_text(source.read_text() + "\n# changed\n")
         assert (step_time_cache.code_stamp(changed) == stamp) is same, layer
+
+
+def test_the_layers_left_out_of_the_code_stamp_are_those_the_import_contract_puts_above_the_engine() -> None:
+    """ABOVE_THE_ENGINE restates pyproject.toml's layers: the two cannot drift apart."""
+    import tomllib
+
+    config = tomllib.loads((step_time_cache.PACKAGE_ROOT.parent / "pyproject.toml").read_text())
+    [layers] = [c["layers"] for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    above = [name.strip() for layer in layers[:layers.index("engine")] for name in layer.split("|")]
+    assert sorted(above) == sorted(step_time_cache.ABOVE_THE_ENGINE)

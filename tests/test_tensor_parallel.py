@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean, hf_greedy, random_hf_model
-from server_utils import cmdline, running_server, web
+from server_utils import children, cmdline, running_server, web
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -183,8 +182,7 @@ def _followers(root: int) -> list[int]:
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        for child in map(int, children):
+        for child in children(pid):
             todo.append(child)
             if b"tandem.engine.worker_group" in cmdline(child):
                 found.append(child)
