@@ -5,6 +5,7 @@ serve` workloads:
     one stream     256 in / 128 out, concurrency 1
     c8, c32        256 in / 128 out, concurrency 8 and 32
     long           2,048 in / 64 out, concurrency 16
+    prompt-2k      2,048 in / 16 out, concurrency 1 (a long prompt's TTFT)
 
     .venv/bin/python benchmarks/vs_llama_cpp.py --llama-server /work/llama/bin/llama-server
 
@@ -48,7 +49,8 @@ class Workload:
 
 
 WORKLOADS = [Workload("one-stream", 256, 128, 1, 4), Workload("c8", 256, 128, 8, 16),
-             Workload("c32", 256, 128, 32, 64), Workload("long", 2048, 64, 16, 16)]
+             Workload("c32", 256, 128, 32, 64), Workload("long", 2048, 64, 16, 16),
+             Workload("prompt-2k", 2048, 16, 1, 2)]
 SLOTS = 32  # llama-server's parallel sequences: the largest concurrency
 TANDEM_SERVERS = {  # name -> its `tandem serve` flags
     "tandem-auto": [],  # what a user gets: --quantization auto (by the CPU and the model's size)
