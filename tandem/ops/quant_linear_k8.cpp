@@ -40,7 +40,8 @@ constexpr int64_t kSuper = 256;
 // x's rows quantized per 256: int8 values, a scale per block, and the sums of each 16 values.
 struct Q8K {
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d;          // [rows, blocks]
+  std::vector<float> d_by_block;  // [blocks, rows]: a tile's rows' scales in one load
   std::vector<int16_t> bsum16;  // [rows, blocks, 16]
   int64_t nb = 0;
 };
@@ -51,11 +52,13 @@ Q8K quantize_rows(const at::Tensor& x) {
   r.nb = K / kSuper;
   r.q.resize(x.size(0) * K);
   r.d.resize(x.size(0) * r.nb);
+  r.d_by_block.resize(x.size(0) * r.nb);
   r.bsum16.resize(x.size(0) * r.nb * 16);
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
     for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
       int8_t* q = r.q.data() + b * kSuper;
       r.d[b] = int8_blocks::quantize_block(row + (b - m * r.nb) * kSuper, kSuper, q);
+      r.d_by_block[(b - m * r.nb) * x.size(0) + m] = r.d[b];
       for (int64_t g = 0; g < 16; ++g) {
         int32_t sum = 0;
         for (int64_t i = 16 * g; i < 16 * g + 16; ++i) sum += q[i];
@@ -95,6 +98,12 @@ inline KScales<QT> k_scales(const uint8_t* b) {
     s.dmin = half_at(b + 2);
   }
   return s;
+}
+
+// The offset term's float factor before x's scale: dmin, or for Q6_K 32 d (its quants' -32).
+template <int64_t QT>
+inline float offset_factor(const KScales<QT>& s) {
+  return QT == kQ6_K ? 32.0f * s.d : s.dmin;
 }
 
 #if defined(TANDEM_QUANT_AVX2)
@@ -174,80 +183,92 @@ inline __m256i offset_weights(const KScales<QT>& s) {
   return _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
 }
 
-// out[i][j] = row (m0 + i) of x . weight row (n + j), for MR rows and NR weight rows (one row meets four
-// weight rows: independent blocks to overlap; several rows meet one, its block decoded once for them).
-template <int64_t QT, int MR, int NR>
-void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y,
+// Lane i of the result: the sum of v[i]'s eight lanes, for n <= 8 vectors (exact integers, so the order
+// of the adds does not matter).
+inline __m256i lane_sums(const __m256i* v, int n) {
+  __m256i u[8];
+  for (int i = 0; i < 8; ++i) u[i] = i < n ? v[i] : _mm256_setzero_si256();
+  const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
+  const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+// Each output's float steps, one lane per output: acc += (d * dx) * float(its block's integer sum) and
+// off += (f * dx) * float(its offset sum), one fused multiply-add each per block in block order, then
+// y = acc - off. Tiles and panels run them the same way, so an output's value is one whatever the path.
+struct Outputs {
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  void add(__m256 d_dx, __m256i sums, __m256 f_dx, __m256i offsets) {
+    acc = _mm256_fmadd_ps(d_dx, _mm256_cvtepi32_ps(sums), acc);
+    off = _mm256_fmadd_ps(f_dx, _mm256_cvtepi32_ps(offsets), off);
+  }
+  void store(float* y, int64_t stride, int n) const {
+    alignas(32) float r[8];
+    _mm256_store_ps(r, _mm256_sub_ps(acc, off));
+    for (int i = 0; i < n; ++i) y[i * stride] = r[i];
+  }
+};
+
+// Row m of x . weight rows n .. n + NR (four: independent blocks to overlap as the weights stream in).
+template <int64_t QT, int NR>
+void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m, int64_t n, float* y,
           int64_t N) {
   constexpr int64_t bb = kBlockBytes<QT>;
   // Independent chains of integer sums per output (vpdpwssd's latency would bind a lone chain), added
   // at the block's end: exact integers, so the same value however many.
-  constexpr int kChains = MR * NR == 1 ? 4 : MR * NR <= 4 ? 2 : 1;
+  constexpr int kChains = NR == 1 ? 4 : 2;
   const int64_t nb = a.nb;
-  __m256 acc[MR][NR], off[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), off[i][j] = _mm256_setzero_ps();
+  Outputs out;
   const uint8_t* ahead = w + (n + NR * kPrefetchTiles) * row_bytes;
 #if defined(TANDEM_K8_AVX512)
   const __m512i pair_idx[4] = {pair_scale_index(0), pair_scale_index(1), pair_scale_index(2), pair_scale_index(3)};
 #endif
   for (int64_t b = 0; b < nb; ++b) {
+    __m256i sums[NR], offsets[NR];
+    alignas(32) float d[8] = {}, f[8] = {};
+    const int64_t xb = m * nb + b;
+    const int8_t* xq = a.q.data() + m * K + b * kSuper;
+    const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + xb * 16));
     for (int j = 0; j < NR; ++j) {
       const uint8_t* block = w + (n + j) * row_bytes + b * bb;
       for (int l = 0; l < (bb + 63) / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * row_bytes + b * bb + 64 * l), _MM_HINT_T0);
       const KScales<QT> s = k_scales<QT>(block);
-      const __m256i offw = offset_weights<QT>(s);
-      __m256i isum[MR][kChains];
+      d[j] = s.d, f[j] = offset_factor<QT>(s);
+      offsets[j] = _mm256_madd_epi16(offset_weights<QT>(s), bsum);
+      __m256i isum[kChains];
+      for (int h = 0; h < kChains; ++h) isum[h] = _mm256_setzero_si256();
 #if defined(TANDEM_K8_AVX512)
       // Measured on Zen 4: Q6_K's 512-bit pairs read 1.1-1.3x faster (its decode is the heaviest); Q4_K's
       // and Q5_K's ran slower than their 256-bit chunks, so they keep those.
       if constexpr (QT == kQ6_K) {
         const __m512i scales = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc)));
-        __m512i wide[MR][kChains];
-        for (int i = 0; i < MR; ++i)
-          for (int h = 0; h < kChains; ++h) wide[i][h] = _mm512_setzero_si512();
+        __m512i wide[kChains];
+        for (int h = 0; h < kChains; ++h) wide[h] = _mm512_setzero_si512();
         for (int k = 0; k < 4; ++k) {
-          const __m512i q = pair_quants_q6k(block, k);
+          const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(xq + 64 * k));
           const __m512i sc = _mm512_permutexvar_epi16(pair_idx[k], scales);
-          for (int i = 0; i < MR; ++i) {
-            const int8_t* qx = a.q.data() + (m0 + i) * K + b * kSuper + 64 * k;
-            const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(qx));
-            wide[i][k % kChains] = dot_add(wide[i][k % kChains], _mm512_maddubs_epi16(q, x), sc);
-          }
+          wide[k % kChains] = dot_add(wide[k % kChains], _mm512_maddubs_epi16(pair_quants_q6k(block, k), x), sc);
         }
-        for (int i = 0; i < MR; ++i)
-          for (int h = 0; h < kChains; ++h)  // the two chunks' lanes added: the 256-bit sums exactly
-            isum[i][h] = _mm256_add_epi32(_mm512_castsi512_si256(wide[i][h]), _mm512_extracti64x4_epi64(wide[i][h], 1));
+        for (int h = 0; h < kChains; ++h)
+          isum[h] = _mm256_add_epi32(_mm512_castsi512_si256(wide[h]), _mm512_extracti64x4_epi64(wide[h], 1));
       } else
 #endif
       {
-        for (int i = 0; i < MR; ++i)
-          for (int h = 0; h < kChains; ++h) isum[i][h] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
-          const __m256i q = unsigned_quants<QT>(block, c);
-          const __m256i sc = chunk_scales<QT>(s, c);
-          for (int i = 0; i < MR; ++i) {
-            const int8_t* qx = a.q.data() + (m0 + i) * K + b * kSuper + 32 * c;
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
-            isum[i][c % kChains] = dot_add(isum[i][c % kChains], _mm256_maddubs_epi16(q, x), sc);
-          }
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c));
+          isum[c % kChains] =
+              dot_add(isum[c % kChains], _mm256_maddubs_epi16(unsigned_quants<QT>(block, c), x), chunk_scales<QT>(s, c));
         }
       }
-      for (int i = 0; i < MR; ++i)
-        for (int h = 1; h < kChains; ++h) isum[i][0] = _mm256_add_epi32(isum[i][0], isum[i][h]);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t xb = (m0 + i) * nb + b;
-        const float dx = a.d[xb];
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(s.d * dx), _mm256_cvtepi32_ps(isum[i][0]), acc[i][j]);
-        const float f = (QT == kQ6_K ? 32.0f * s.d : s.dmin) * dx;
-        const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + xb * 16));
-        off[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(_mm256_madd_epi16(offw, bsum)), off[i][j]);
-      }
+      for (int h = 1; h < kChains; ++h) isum[0] = _mm256_add_epi32(isum[0], isum[h]);
+      sums[j] = isum[0];
     }
+    const __m256 dx = _mm256_set1_ps(a.d[xb]);
+    out.add(_mm256_mul_ps(_mm256_load_ps(d), dx), lane_sums(sums, NR), _mm256_mul_ps(_mm256_load_ps(f), dx),
+            lane_sums(offsets, NR));
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n + j] = hsum_ps(acc[i][j]) - hsum_ps(off[i][j]);
+  out.store(y + m * N + n, 1, NR);
 }
 
 // Many rows (a prompt's chunk): each weight row's blocks are decoded once per call into a panel (the
@@ -273,19 +294,19 @@ void decode_panel(const uint8_t* row, int64_t nb, PanelBlock* out) {
     for (int c = 0; c < 8; ++c) out[b].q[c] = unsigned_quants<QT>(block, c), out[b].sc[c] = chunk_scales<QT>(s, c);
     out[b].offw = offset_weights<QT>(s);
     out[b].d = s.d;
-    out[b].f = QT == kQ6_K ? 32.0f * s.d : s.dmin;
+    out[b].f = offset_factor<QT>(s);
   }
 }
 
 // Rows m0 .. m0 + MR of x times one decoded weight row, into column n of y.
 template <int MR>
-void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t m0, int64_t n, float* y, int64_t N) {
+void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t M, int64_t m0, int64_t n, float* y,
+                int64_t N) {
   const int64_t nb = a.nb;
-  __m256 acc[MR], off[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), off[i] = _mm256_setzero_ps();
+  Outputs out;
   const int8_t* x0 = a.q.data() + m0 * K;
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i isum[MR];
+    __m256i isum[MR], offsets[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i q = _mm256_load_si256(&p[b].q[c]);
@@ -296,15 +317,21 @@ void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t m0, int64_
       }
     }
     for (int i = 0; i < MR; ++i) {
-      const int64_t xb = (m0 + i) * nb + b;
-      const float dx = a.d[xb];
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[b].d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-      const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + xb * 16));
-      off[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[b].f * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(p[b].offw, bsum)),
-                               off[i]);
+      const int16_t* bsum = a.bsum16.data() + ((m0 + i) * nb + b) * 16;
+      offsets[i] = _mm256_madd_epi16(p[b].offw, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
     }
+    __m256 dx;
+    if constexpr (MR == 8) {
+      dx = _mm256_loadu_ps(a.d_by_block.data() + b * M + m0);
+    } else {
+      alignas(32) float part[8] = {};
+      std::copy_n(a.d_by_block.data() + b * M + m0, MR, part);
+      dx = _mm256_load_ps(part);
+    }
+    out.add(_mm256_mul_ps(_mm256_set1_ps(p[b].d), dx), lane_sums(isum, MR), _mm256_mul_ps(_mm256_set1_ps(p[b].f), dx),
+            lane_sums(offsets, MR));
   }
-  for (int i = 0; i < MR; ++i) y[(m0 + i) * N + n] = hsum_ps(acc[i]) - hsum_ps(off[i]);
+  out.store(y + m0 * N + n, N, MR);
 }
 
 // Threads split the weight rows; each decodes a group of them at a time (a panel of about 96 KB, in L2),
@@ -320,7 +347,7 @@ void panel_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, in
       for (int64_t n = g0; n < g1; ++n) decode_panel<QT>(w + n * row_bytes, nb, panel.data() + (n - g0) * nb);
       const auto over_group = [&](auto mr, int64_t m0) {
         for (int64_t n = g0; n < g1; ++n)
-          panel_tile<decltype(mr)::value>(panel.data() + (n - g0) * nb, a, K, m0, n, y, N);
+          panel_tile<decltype(mr)::value>(panel.data() + (n - g0) * nb, a, K, M, m0, n, y, N);
       };
       int64_t m0 = 0;
       for (; m0 + 8 <= M; m0 += 8) over_group(std::integral_constant<int, 8>{}, m0);
@@ -332,32 +359,30 @@ void panel_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, in
   });
 }
 #else
-// Portable: the same integers, one output at a time.
-template <int64_t QT, int MR, int NR>
-void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m0, int64_t n0, float* y,
+// Portable: the same integers and the same float steps per output (Outputs), one output at a time.
+template <int64_t QT, int NR>
+void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m, int64_t n0, float* y,
           int64_t N) {
   constexpr int64_t bb = kBlockBytes<QT>;
-  for (int64_t n = n0; n < n0 + NR; ++n)
-  for (int i = 0; i < MR; ++i) {
-    const int64_t r = m0 + i;
-    float total = 0.0f, off = 0.0f;
+  for (int64_t n = n0; n < n0 + NR; ++n) {
+    float acc = 0.0f, off = 0.0f;
     for (int64_t b = 0; b < a.nb; ++b) {
       const uint8_t* block = w + n * row_bytes + b * bb;
       const KScales<QT> s = k_scales<QT>(block);
-      const int8_t* qx = a.q.data() + r * K + b * kSuper;
-      const int16_t* bsum = a.bsum16.data() + (r * a.nb + b) * 16;
+      const int8_t* qx = a.q.data() + m * K + b * kSuper;
+      const int16_t* bsum = a.bsum16.data() + (m * a.nb + b) * 16;
       int32_t isum = 0, o = 0;
       for (int c = 0; c < 8; ++c)
         for (int k = 0; k < 32; ++k) {
           const int32_t q = chunk_quant<QT>(block, c, k) + (QT == kQ6_K ? 32 : 0);
           isum += (QT == kQ6_K ? s.sc[2 * c + k / 16] : s.sc[c]) * q * qx[32 * c + k];
         }
-      for (int g = 0; g < 16; ++g) o += (QT == kQ6_K ? 32 * s.sc[g] : s.min[g / 2]) * bsum[g];
-      const float dx = a.d[r * a.nb + b];
-      total += s.d * dx * static_cast<float>(isum);
-      off += (QT == kQ6_K ? s.d : s.dmin) * dx * static_cast<float>(o);
+      for (int g = 0; g < 16; ++g) o += (QT == kQ6_K ? s.sc[g] : s.min[g / 2]) * bsum[g];
+      const float dx = a.d[m * a.nb + b];
+      acc = std::fma(s.d * dx, static_cast<float>(isum), acc);
+      off = std::fma(offset_factor<QT>(s) * dx, static_cast<float>(o), off);
     }
-    y[r * N + n] = total - off;
+    y[m * N + n] = acc - off;
   }
 }
 #endif
@@ -369,30 +394,15 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, i
   // rows; below that the tiles, which stream the weights once with no panel to write, are 1.1-1.6x faster.
   if (M >= kPanelFrom) return panel_rows<QT>(w, row_bytes, a, M, K, N, y);
 #endif
-  using One = std::integral_constant<int, 1>;
-  using Four = std::integral_constant<int, 4>;
-  using Eight = std::integral_constant<int, 8>;
-  auto run = [&](auto mr, auto nr, int64_t m0, int64_t n) {
-    tile<QT, decltype(mr)::value, decltype(nr)::value>(w, row_bytes, a, K, m0, n, y, N);
-  };
-  // One row: four weight rows a tile. More: eight rows a tile where there are 32 vector registers (four
-  // with AVX2's 16), then fours, then the rest one by one, each weight block decoded once per tile.
-  // Every output's sums run in the same order whatever the tile.
+  // A few rows (decode, a short verification): each row meets the weights in tiles of four weight rows
+  // (one at the end) as they stream from memory.
   at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
     const int64_t n_end = std::min(N, t1 * 4);
     for (int64_t n = t0 * 4; n < n_end;) {
-      if (M == 1 && n + 4 <= n_end) {
-        run(One{}, Four{}, 0, n);
-        n += 4;
-        continue;
-      }
-      int64_t m0 = 0;
-#if defined(__AVX512VL__)
-      for (; m0 + 8 <= M; m0 += 8) run(Eight{}, One{}, m0, n);
-#endif
-      for (; m0 + 4 <= M; m0 += 4) run(Four{}, One{}, m0, n);
-      for (; m0 < M; ++m0) run(One{}, One{}, m0, n);
-      ++n;
+      const bool four = n + 4 <= n_end;
+      for (int64_t m = 0; m < M; ++m)
+        four ? tile<QT, 4>(w, row_bytes, a, K, m, n, y, N) : tile<QT, 1>(w, row_bytes, a, K, m, n, y, N);
+      n += four ? 4 : 1;
     }
   });
 }
