@@ -228,6 +228,16 @@ inline __m256i chunk_quants(const uint8_t* b, int c) {
   const __m256i high = _mm256_slli_epi16(shifted_bits(load32(b + 128 + 32 * (c / 4)), 2 * (c % 4), 3), 4);
   return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
 }
+
+// Lane i of the result: the sum of v[i]'s eight lanes, for n <= 8 vectors (exact integers, so the order
+// of the adds does not matter).
+inline __m256i lane_sums(const __m256i* v, int n) {
+  __m256i u[8];
+  for (int i = 0; i < 8; ++i) u[i] = i < n ? v[i] : _mm256_setzero_si256();
+  const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
+  const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
 #endif
 
 inline int64_t block_weights(int64_t qtype, const char* op) {

@@ -122,13 +122,6 @@ inline __m256i chunk_scales(const KScales<QT>& s, int c) {
   return _mm256_set1_epi16(s.sc[c]);
 }
 
-inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // acc + the pair sums p times the scales s, pairwise added (vpmaddwd then vpaddd, or one vpdpwssd with
 // VNNI: the same exact integers).
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) {
@@ -181,16 +174,6 @@ inline __m256i offset_weights(const KScales<QT>& s) {
   if constexpr (QT == kQ6_K) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc));
   const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
   return _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
-}
-
-// Lane i of the result: the sum of v[i]'s eight lanes, for n <= 8 vectors (exact integers, so the order
-// of the adds does not matter).
-inline __m256i lane_sums(const __m256i* v, int n) {
-  __m256i u[8];
-  for (int i = 0; i < 8; ++i) u[i] = i < n ? v[i] : _mm256_setzero_si256();
-  const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
-  const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
 // Each output's float steps, one lane per output: acc += (d * dx) * float(its block's integer sum) and
