@@ -266,17 +266,30 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
 constexpr int64_t kPanelFrom = 4;
 
 struct alignas(32) PanelBlock {
-  __m256i q[8], sc[8];  // the chunks' unsigned quants and int16 scales (chunk_scales)
+  __m256i q[8];         // the chunks' unsigned quants
+  uint32_t sc[8];       // each chunk's int16 scales, the first half's in the low 16 bits (chunk_scales packed)
   __m256i offw;         // offset_weights
   float d, f;           // d, and the offset term's factor (dmin, or 32 d for Q6_K) before x's scale
 };
+
+// A chunk's packed scales as chunk_scales gives them: the low int16 in the low 128 bits, the high in the
+// high (a broadcast load and one byte shuffle; half the panel's bytes of a stored vector).
+inline __m256i panel_scales(uint32_t packed) {
+  const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(packed)), halves);
+}
 
 template <int64_t QT>
 void decode_panel(const uint8_t* row, int64_t nb, PanelBlock* out) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = row + b * kBlockBytes<QT>;
     const KScales<QT> s = k_scales<QT>(block);
-    for (int c = 0; c < 8; ++c) out[b].q[c] = unsigned_quants<QT>(block, c), out[b].sc[c] = chunk_scales<QT>(s, c);
+    for (int c = 0; c < 8; ++c) {
+      out[b].q[c] = unsigned_quants<QT>(block, c);
+      const int16_t low = QT == kQ6_K ? s.sc[2 * c] : s.sc[c], high = QT == kQ6_K ? s.sc[2 * c + 1] : s.sc[c];
+      out[b].sc[c] = static_cast<uint16_t>(low) | static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16;
+    }
     out[b].offw = offset_weights<QT>(s);
     out[b].d = s.d;
     out[b].f = offset_factor<QT>(s);
@@ -295,7 +308,7 @@ void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t M, int64_t
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i q = _mm256_load_si256(&p[b].q[c]);
-      const __m256i sc = _mm256_load_si256(&p[b].sc[c]);
+      const __m256i sc = panel_scales(p[b].sc[c]);
       for (int i = 0; i < MR; ++i) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * K + b * kSuper + 32 * c));
         isum[i] = dot_add(isum[i], _mm256_maddubs_epi16(q, x), sc);
@@ -331,8 +344,8 @@ void panel_pair(const PanelBlock* p0, const PanelBlock* p1, const Q8K& a, int64_
     __m256i isum[8], offsets[8];
     for (int i = 0; i < 8; ++i) isum[i] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
-      const __m256i q0 = _mm256_load_si256(&p0[b].q[c]), s0 = _mm256_load_si256(&p0[b].sc[c]);
-      const __m256i q1 = _mm256_load_si256(&p1[b].q[c]), s1 = _mm256_load_si256(&p1[b].sc[c]);
+      const __m256i q0 = _mm256_load_si256(&p0[b].q[c]), s0 = panel_scales(p0[b].sc[c]);
+      const __m256i q1 = _mm256_load_si256(&p1[b].q[c]), s1 = panel_scales(p1[b].sc[c]);
       for (int i = 0; i < 4; ++i) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * K + b * kSuper + 32 * c));
         isum[2 * i] = dot_add(isum[2 * i], _mm256_maddubs_epi16(q0, x), s0);
