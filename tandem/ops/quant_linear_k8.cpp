@@ -254,6 +254,53 @@ void tile(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t 
   out.store(y + m * N + n, 1, NR);
 }
 
+// Rows m, m + 1 of x . weight rows n .. n + 4 (a verification's or a small batch's rows): each block
+// decoded once for both rows, eight outputs (lane 4 i + j: row m + i, weight row n + j).
+template <int64_t QT>
+void tile_two_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K, int64_t m, int64_t n, float* y,
+                   int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const int64_t nb = a.nb;
+  Outputs out;
+  const uint8_t* ahead = w + (n + 4 * kPrefetchTiles) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i sums[8], offsets[8];
+    float d[4], f[4];
+    const int8_t* x0 = a.q.data() + m * K + b * kSuper;
+    const __m256i bsum0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + (m * nb + b) * 16));
+    const __m256i bsum1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + ((m + 1) * nb + b) * 16));
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* block = w + (n + j) * row_bytes + b * bb;
+      for (int l = 0; l < (bb + 63) / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * row_bytes + b * bb + 64 * l), _MM_HINT_T0);
+      const KScales<QT> s = k_scales<QT>(block);
+      d[j] = s.d, f[j] = offset_factor<QT>(s);
+      const __m256i offw = offset_weights<QT>(s);
+      offsets[j] = _mm256_madd_epi16(offw, bsum0);
+      offsets[4 + j] = _mm256_madd_epi16(offw, bsum1);
+      __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = unsigned_quants<QT>(block, c), sc = chunk_scales<QT>(s, c);
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + 32 * c));
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + K + 32 * c));
+        i0 = dot_add(i0, _mm256_maddubs_epi16(q, xa), sc);
+        i1 = dot_add(i1, _mm256_maddubs_epi16(q, xb), sc);
+      }
+      sums[j] = i0, sums[4 + j] = i1;
+    }
+    const float dx0 = a.d[m * nb + b], dx1 = a.d[(m + 1) * nb + b];
+    // Lanes set from registers (a vector load of the scalars just stored would stall on forwarding).
+    const __m256 dx = _mm256_setr_ps(dx0, dx0, dx0, dx0, dx1, dx1, dx1, dx1);
+    out.add(_mm256_mul_ps(_mm256_setr_ps(d[0], d[1], d[2], d[3], d[0], d[1], d[2], d[3]), dx), lane_sums(sums, 8),
+            _mm256_mul_ps(_mm256_setr_ps(f[0], f[1], f[2], f[3], f[0], f[1], f[2], f[3]), dx), lane_sums(offsets, 8));
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_sub_ps(out.acc, out.off));
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) y[(m + i) * N + n + j] = r[4 * i + j];
+}
+
 // Many rows (a prompt's chunk): each weight row's blocks are decoded once per call into a panel (the
 // chunks' unsigned quants and int16 scale vectors, each block's offset weights and float factors) that
 // then meets every row of x, instead of being decoded again for every tile of four rows. Tiles of four
@@ -439,7 +486,12 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, i
     const int64_t n_end = std::min(N, t1 * 4);
     for (int64_t n = t0 * 4; n < n_end;) {
       const bool four = n + 4 <= n_end;
-      for (int64_t m = 0; m < M; ++m)
+      int64_t m = 0;
+#if defined(TANDEM_QUANT_AVX2)
+      if (four)
+        for (; m + 2 <= M; m += 2) tile_two_rows<QT>(w, row_bytes, a, K, m, n, y, N);
+#endif
+      for (; m < M; ++m)
         four ? tile<QT, 4>(w, row_bytes, a, K, m, n, y, N) : tile<QT, 1>(w, row_bytes, a, K, m, n, y, N);
       n += four ? 4 : 1;
     }
