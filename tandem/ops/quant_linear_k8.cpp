@@ -10,10 +10,11 @@
 // per-32 path for the other formats).
 //
 // Each output is a function of its row of x alone, summed in one order whatever the batch, the tile
-// and the threads. Below four rows (decode), tiles meet the weights as they stream from memory once
-// per call, each block decoded once per tile; from four (a prompt's chunk, a verification), each
-// weight row is decoded once per call into a panel that every row of x then meets (panel_rows: 2x
-// the rate at 256 rows). Threads split the weight rows.
+// and the threads. Below four rows (decode, a short verification), tiles of one or two rows meet the
+// weights as they stream from memory once per call, each block decoded once per tile; from four (a
+// prompt's chunk, a longer verification), each weight row is decoded once per call into a panel that
+// every row of x then meets (k8::panel_rows in quant_linear_k8_panel.cpp: 2x the rate at 256 rows).
+// Threads split the weight rows.
 //
 // AVX2 (every machine the kernels build for has it): 256-bit integer ops, which Zen 4 runs at the
 // rate of its 512-bit ones. Without AVX2 the portable loop computes the same integers.
@@ -27,111 +28,14 @@
 #include <cstring>
 #include <vector>
 
-#include "gguf_blocks.h"
-#include "int8_blocks.h"
+#include "k_quant_int8.h"
 
 namespace tandem_ops {
 namespace {
 
-using namespace gguf;
-
-constexpr int64_t kSuper = 256;
-
-// x's rows quantized per 256: int8 values, a scale per block, and the sums of each 16 values.
-struct Q8K {
-  std::vector<int8_t> q;
-  std::vector<float> d;          // [rows, blocks]
-  std::vector<float> d_by_block;  // [blocks, rows]: a tile's rows' scales in one load
-  std::vector<int16_t> bsum16;  // [rows, blocks, 16]
-  int64_t nb = 0;
-};
-
-Q8K quantize_rows(const at::Tensor& x) {
-  const int64_t K = x.size(1);
-  Q8K r;
-  r.nb = K / kSuper;
-  r.q.resize(x.size(0) * K);
-  r.d.resize(x.size(0) * r.nb);
-  r.d_by_block.resize(x.size(0) * r.nb);
-  r.bsum16.resize(x.size(0) * r.nb * 16);
-  int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
-    for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
-      int8_t* q = r.q.data() + b * kSuper;
-      r.d[b] = int8_blocks::quantize_block(row + (b - m * r.nb) * kSuper, kSuper, q);
-      r.d_by_block[(b - m * r.nb) * x.size(0) + m] = r.d[b];
-      for (int64_t g = 0; g < 16; ++g) {
-        int32_t sum = 0;
-        for (int64_t i = 16 * g; i < 16 * g + 16; ++i) sum += q[i];
-        r.bsum16[b * 16 + g] = static_cast<int16_t>(sum);
-      }
-    }
-  });
-  return r;
-}
-
-// A block's integer sub-block scales (and, for Q4_K and Q5_K, mins) and its float multipliers.
-template <int64_t QT>
-struct KScales {
-  int16_t sc[16];   // Q4_K, Q5_K: per sub-block of 32 (8 used); Q6_K: per group of 16
-  int16_t min[8];   // Q4_K, Q5_K
-  float d, dmin;
-};
-
-template <int64_t QT>
-inline KScales<QT> k_scales(const uint8_t* b) {
-  KScales<QT> s;
-  if constexpr (QT == kQ6_K) {
-    for (int g = 0; g < 16; ++g) s.sc[g] = static_cast<int8_t>(b[192 + g]);
-    s.d = half_at(b + 208);
-    s.dmin = 0.0f;
-  } else {
-    uint8_t sm[16];  // the eight scales, then the eight mins
-    k_scales_mins(b + 4, sm, sm + 8);
-#if defined(TANDEM_QUANT_AVX2)
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sc), _mm256_castsi256_si128(wide));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.min), _mm256_extracti128_si256(wide, 1));
-#else
-    for (int j = 0; j < 8; ++j) s.sc[j] = sm[j], s.min[j] = sm[8 + j];
-#endif
-    s.d = half_at(b);
-    s.dmin = half_at(b + 2);
-  }
-  return s;
-}
-
-// The offset term's float factor before x's scale: dmin, or for Q6_K 32 d (its quants' -32).
-template <int64_t QT>
-inline float offset_factor(const KScales<QT>& s) {
-  return QT == kQ6_K ? 32.0f * s.d : s.dmin;
-}
+using namespace k8;
 
 #if defined(TANDEM_QUANT_AVX2)
-// Chunk c's 32 quants as unsigned bytes (Q6_K's without the -32, which the bsums carry).
-template <int64_t QT>
-inline __m256i unsigned_quants(const uint8_t* b, int c) {
-  if constexpr (QT == kQ6_K) return _mm256_add_epi8(chunk_quants<QT>(b, c), _mm256_set1_epi8(32));
-  return chunk_quants<QT>(b, c);
-}
-
-// The int16 multipliers of a chunk's 16 pair sums: its scale (Q4_K, Q5_K), or its two groups' (Q6_K:
-// pair sums 0-7 are weights 0-15).
-template <int64_t QT>
-inline __m256i chunk_scales(const KScales<QT>& s, int c) {
-  if constexpr (QT == kQ6_K) return _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * c + 1]), _mm_set1_epi16(s.sc[2 * c]));
-  return _mm256_set1_epi16(s.sc[c]);
-}
-
-// acc + the pair sums p times the scales s, pairwise added (vpmaddwd then vpaddd, or one vpdpwssd with
-// VNNI: the same exact integers).
-inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return _mm256_dpwssd_epi32(acc, p, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
-#endif
-}
-
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TANDEM_K8_AVX512 1
 // Two chunks at once (2k in the low 256 bits, 2k + 1 in the high), where there are 512-bit integer ops:
@@ -158,6 +62,7 @@ inline __m512i pair_scale_index(int k) {
   return _mm512_load_si512(idx);
 }
 
+using k8::dot_add;  // the 256-bit one, beside this overload
 inline __m512i dot_add(__m512i acc, __m512i p, __m512i s) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, p, s);
@@ -166,31 +71,6 @@ inline __m512i dot_add(__m512i acc, __m512i p, __m512i s) {
 #endif
 }
 #endif
-
-// The multipliers of x's 16 group sums in the offset term, once per block: Q4_K, Q5_K: each sub-block's
-// min, for both of its groups of 16; Q6_K: each group's scale (the 32 is in the term's float factor).
-template <int64_t QT>
-inline __m256i offset_weights(const KScales<QT>& s) {
-  if constexpr (QT == kQ6_K) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.sc));
-  const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.min));
-  return _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
-}
-
-// Each output's float steps, one lane per output: acc += (d * dx) * float(its block's integer sum) and
-// off += (f * dx) * float(its offset sum), one fused multiply-add each per block in block order, then
-// y = acc - off. Tiles and panels run them the same way, so an output's value is one whatever the path.
-struct Outputs {
-  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-  void add(__m256 d_dx, __m256i sums, __m256 f_dx, __m256i offsets) {
-    acc = _mm256_fmadd_ps(d_dx, _mm256_cvtepi32_ps(sums), acc);
-    off = _mm256_fmadd_ps(f_dx, _mm256_cvtepi32_ps(offsets), off);
-  }
-  void store(float* y, int64_t stride, int n) const {
-    alignas(32) float r[8];
-    _mm256_store_ps(r, _mm256_sub_ps(acc, off));
-    for (int i = 0; i < n; ++i) y[i * stride] = r[i];
-  }
-};
 
 // Row m of x . weight rows n .. n + NR (four: independent blocks to overlap as the weights stream in).
 template <int64_t QT, int NR>
@@ -300,150 +180,6 @@ void tile_two_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K,
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j) y[(m + i) * N + n + j] = r[4 * i + j];
 }
-
-// Many rows (a prompt's chunk): each weight row's blocks are decoded once per call into a panel (the
-// chunks' unsigned quants and int16 scale vectors, each block's offset weights and float factors) that
-// then meets every row of x, instead of being decoded again for every tile of four rows. Tiles of four
-// rows of x and two weight rows (panel_pair: eight integer sums in registers, each x chunk loaded once
-// for both) take the quants and scales from L1, and a tile's x rows (4 x K bytes) stay in L1 while it
-// meets a group of weight rows; measured on Zen 3 against tiles of eight rows and one weight row: the
-// same at K = 2048, 1.15x at K = 8192, where eight rows of x outgrow L1. Each output's float steps are
-// tile()'s (Outputs), so every output is tile()'s value bit for bit: a row's value does not depend on
-// which path its batch took.
-constexpr int64_t kPanelFrom = 4;
-
-struct alignas(32) PanelBlock {
-  __m256i q[8];         // the chunks' unsigned quants
-  uint32_t sc[8];       // each chunk's int16 scales, the first half's in the low 16 bits (chunk_scales packed)
-  __m256i offw;         // offset_weights
-  float d, f;           // d, and the offset term's factor (dmin, or 32 d for Q6_K) before x's scale
-};
-
-// A chunk's packed scales as chunk_scales gives them: the low int16 in the low 128 bits, the high in the
-// high (a broadcast load and one byte shuffle; half the panel's bytes of a stored vector).
-inline __m256i panel_scales(uint32_t packed) {
-  const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(packed)), halves);
-}
-
-template <int64_t QT>
-void decode_panel(const uint8_t* row, int64_t nb, PanelBlock* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = row + b * kBlockBytes<QT>;
-    const KScales<QT> s = k_scales<QT>(block);
-    for (int c = 0; c < 8; ++c) {
-      out[b].q[c] = unsigned_quants<QT>(block, c);
-      const int16_t low = QT == kQ6_K ? s.sc[2 * c] : s.sc[c], high = QT == kQ6_K ? s.sc[2 * c + 1] : s.sc[c];
-      out[b].sc[c] = static_cast<uint16_t>(low) | static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16;
-    }
-    out[b].offw = offset_weights<QT>(s);
-    out[b].d = s.d;
-    out[b].f = offset_factor<QT>(s);
-  }
-}
-
-// Rows m0 .. m0 + MR of x times one decoded weight row, into column n of y.
-template <int MR>
-void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t M, int64_t m0, int64_t n, float* y,
-                int64_t N) {
-  const int64_t nb = a.nb;
-  Outputs out;
-  const int8_t* x0 = a.q.data() + m0 * K;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i isum[MR], offsets[MR];
-    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = _mm256_load_si256(&p[b].q[c]);
-      const __m256i sc = panel_scales(p[b].sc[c]);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * K + b * kSuper + 32 * c));
-        isum[i] = dot_add(isum[i], _mm256_maddubs_epi16(q, x), sc);
-      }
-    }
-    for (int i = 0; i < MR; ++i) {
-      const int16_t* bsum = a.bsum16.data() + ((m0 + i) * nb + b) * 16;
-      offsets[i] = _mm256_madd_epi16(p[b].offw, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
-    }
-    __m256 dx;
-    if constexpr (MR == 8) {
-      dx = _mm256_loadu_ps(a.d_by_block.data() + b * M + m0);
-    } else {
-      alignas(32) float part[8] = {};
-      std::copy_n(a.d_by_block.data() + b * M + m0, MR, part);
-      dx = _mm256_load_ps(part);
-    }
-    out.add(_mm256_mul_ps(_mm256_set1_ps(p[b].d), dx), lane_sums(isum, MR), _mm256_mul_ps(_mm256_set1_ps(p[b].f), dx),
-            lane_sums(offsets, MR));
-  }
-  out.store(y + m0 * N + n, N, MR);
-}
-
-// Rows m0 .. m0 + 4 of x times two decoded weight rows, into columns n, n + 1 of y: eight outputs, each
-// x chunk loaded once for both weight rows (lane 2 i + j: row m0 + i, weight row n + j).
-void panel_pair(const PanelBlock* p0, const PanelBlock* p1, const Q8K& a, int64_t K, int64_t M, int64_t m0,
-                int64_t n, float* y, int64_t N) {
-  const int64_t nb = a.nb;
-  Outputs out;
-  const int8_t* x0 = a.q.data() + m0 * K;
-  const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // each row's lane for both weight rows
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i isum[8], offsets[8];
-    for (int i = 0; i < 8; ++i) isum[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q0 = _mm256_load_si256(&p0[b].q[c]), s0 = panel_scales(p0[b].sc[c]);
-      const __m256i q1 = _mm256_load_si256(&p1[b].q[c]), s1 = panel_scales(p1[b].sc[c]);
-      for (int i = 0; i < 4; ++i) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * K + b * kSuper + 32 * c));
-        isum[2 * i] = dot_add(isum[2 * i], _mm256_maddubs_epi16(q0, x), s0);
-        isum[2 * i + 1] = dot_add(isum[2 * i + 1], _mm256_maddubs_epi16(q1, x), s1);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum16.data() + ((m0 + i) * nb + b) * 16));
-      offsets[2 * i] = _mm256_madd_epi16(p0[b].offw, bsum);
-      offsets[2 * i + 1] = _mm256_madd_epi16(p1[b].offw, bsum);
-    }
-    const __m256 dx = _mm256_permutevar8x32_ps(
-        _mm256_castps128_ps256(_mm_loadu_ps(a.d_by_block.data() + b * M + m0)), twice);
-    const __m256 d = _mm256_setr_ps(p0[b].d, p1[b].d, p0[b].d, p1[b].d, p0[b].d, p1[b].d, p0[b].d, p1[b].d);
-    const __m256 f = _mm256_setr_ps(p0[b].f, p1[b].f, p0[b].f, p1[b].f, p0[b].f, p1[b].f, p0[b].f, p1[b].f);
-    out.add(_mm256_mul_ps(d, dx), lane_sums(isum, 8), _mm256_mul_ps(f, dx), lane_sums(offsets, 8));
-  }
-  alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_sub_ps(out.acc, out.off));
-  for (int i = 0; i < 4; ++i) y[(m0 + i) * N + n] = r[2 * i], y[(m0 + i) * N + n + 1] = r[2 * i + 1];
-}
-
-// Threads split the weight rows; each decodes a group of them at a time (a panel of about 96 KB, in L2),
-// then walks every tile of x's rows across the group.
-template <int64_t QT>
-void panel_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, int64_t K, int64_t N, float* y) {
-  const int64_t nb = a.nb;
-  // An even count, so that weight rows pair up.
-  const int64_t group = std::max<int64_t>(2, (96 << 10) / (nb * static_cast<int64_t>(sizeof(PanelBlock))) / 2 * 2);
-  at::parallel_for(0, N, group, [&](int64_t n0, int64_t n1) {
-    std::vector<PanelBlock> panel(group * nb);
-    for (int64_t g0 = n0; g0 < n1; g0 += group) {
-      const int64_t g1 = std::min(n1, g0 + group);
-      for (int64_t n = g0; n < g1; ++n) decode_panel<QT>(w + n * row_bytes, nb, panel.data() + (n - g0) * nb);
-      const auto over_group = [&](auto mr, int64_t m0) {
-        for (int64_t n = g0; n < g1; ++n)
-          panel_tile<decltype(mr)::value>(panel.data() + (n - g0) * nb, a, K, M, m0, n, y, N);
-      };
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) {
-        int64_t n = g0;
-        for (; n + 2 <= g1; n += 2)
-          panel_pair(panel.data() + (n - g0) * nb, panel.data() + (n + 1 - g0) * nb, a, K, M, m0, n, y, N);
-        if (n < g1) panel_tile<4>(panel.data() + (n - g0) * nb, a, K, M, m0, n, y, N);
-      }
-      if (M - m0 == 3) over_group(std::integral_constant<int, 3>{}, m0);
-      if (M - m0 == 2) over_group(std::integral_constant<int, 2>{}, m0);
-      if (M - m0 == 1) over_group(std::integral_constant<int, 1>{}, m0);
-    }
-  });
-}
 #else
 // Portable: the same integers and the same float steps per output (Outputs), one output at a time.
 template <int64_t QT, int NR>
@@ -478,7 +214,7 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, i
 #if defined(TANDEM_QUANT_AVX2)
   // Measured on a Zen 3 EPYC (2 threads, Llama-3.2-1B's shapes): the panel is 1.1-2x faster from four
   // rows; below that the tiles, which stream the weights once with no panel to write, are 1.1-1.6x faster.
-  if (M >= kPanelFrom) return panel_rows<QT>(w, row_bytes, a, M, K, N, y);
+  if (M >= kPanelFrom) return panel_rows(QT, w, row_bytes, a, M, K, N, y);
 #endif
   // A few rows (decode, a short verification): each row meets the weights in tiles of four weight rows
   // (one at the end) as they stream from memory.
