@@ -134,9 +134,11 @@ struct Outputs {
     acc = _mm256_fmadd_ps(d_dx, _mm256_cvtepi32_ps(sums), acc);
     off = _mm256_fmadd_ps(f_dx, _mm256_cvtepi32_ps(offsets), off);
   }
+  void values(float r[8]) const { _mm256_storeu_ps(r, _mm256_sub_ps(acc, off)); }
+  // Lanes 0 .. n to y, stride apart.
   void store(float* y, int64_t stride, int n) const {
-    alignas(32) float r[8];
-    _mm256_store_ps(r, _mm256_sub_ps(acc, off));
+    float r[8];
+    values(r);
     for (int i = 0; i < n; ++i) y[i * stride] = r[i];
   }
 };

@@ -176,7 +176,7 @@ void tile_two_rows(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t K,
             _mm256_mul_ps(_mm256_setr_ps(f[0], f[1], f[2], f[3], f[0], f[1], f[2], f[3]), dx), lane_sums(offsets, 8));
   }
   alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_sub_ps(out.acc, out.off));
+  out.values(r);
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j) y[(m + i) * N + n + j] = r[4 * i + j];
 }

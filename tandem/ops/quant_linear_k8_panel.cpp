@@ -46,8 +46,9 @@ void decode_panel(const uint8_t* row, int64_t nb, PanelBlock* out) {
     const KScales<QT> s = k_scales<QT>(block);
     for (int c = 0; c < 8; ++c) {
       out[b].q[c] = unsigned_quants<QT>(block, c);
-      const int16_t low = QT == kQ6_K ? s.sc[2 * c] : s.sc[c], high = QT == kQ6_K ? s.sc[2 * c + 1] : s.sc[c];
-      out[b].sc[c] = static_cast<uint16_t>(low) | static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16;
+      const __m256i sc = chunk_scales<QT>(s, c);  // int16 0 holds the low half's scale, int16 8 the high's
+      out[b].sc[c] = static_cast<uint16_t>(_mm256_extract_epi16(sc, 0)) |
+                     static_cast<uint32_t>(static_cast<uint16_t>(_mm256_extract_epi16(sc, 8))) << 16;
     }
     out[b].offw = offset_weights<QT>(s);
     out[b].d = s.d;
@@ -55,7 +56,7 @@ void decode_panel(const uint8_t* row, int64_t nb, PanelBlock* out) {
   }
 }
 
-// Rows m0 .. m0 + MR of x times one decoded weight row, into column n of y.
+// Rows m0 .. m0 + MR (at most four) of x times one decoded weight row, into column n of y.
 template <int MR>
 void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t M, int64_t m0, int64_t n, float* y,
                 int64_t N) {
@@ -77,14 +78,9 @@ void panel_tile(const PanelBlock* p, const Q8K& a, int64_t K, int64_t M, int64_t
       const int16_t* bsum = a.bsum16.data() + ((m0 + i) * nb + b) * 16;
       offsets[i] = _mm256_madd_epi16(p[b].offw, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
     }
-    __m256 dx;
-    if constexpr (MR == 8) {
-      dx = _mm256_loadu_ps(a.d_by_block.data() + b * M + m0);
-    } else {
-      alignas(32) float part[8] = {};
-      std::copy_n(a.d_by_block.data() + b * M + m0, MR, part);
-      dx = _mm256_load_ps(part);
-    }
+    alignas(32) float part[8] = {};  // the tile's rows' scales (fewer than eight: the lanes past MR unused)
+    std::copy_n(a.d_by_block.data() + b * M + m0, MR, part);
+    const __m256 dx = _mm256_load_ps(part);
     out.add(_mm256_mul_ps(_mm256_set1_ps(p[b].d), dx), lane_sums(isum, MR), _mm256_mul_ps(_mm256_set1_ps(p[b].f), dx),
             lane_sums(offsets, MR));
   }
@@ -123,7 +119,7 @@ void panel_pair(const PanelBlock* p0, const PanelBlock* p1, const Q8K& a, int64_
     out.add(_mm256_mul_ps(d, dx), lane_sums(isum, 8), _mm256_mul_ps(f, dx), lane_sums(offsets, 8));
   }
   alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_sub_ps(out.acc, out.off));
+  out.values(r);
   for (int i = 0; i < 4; ++i) y[(m0 + i) * N + n] = r[2 * i], y[(m0 + i) * N + n + 1] = r[2 * i + 1];
 }
 
