@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.disagg.transport import TransferHandle
-from tandem.disagg.transports.shm import ShmReceiver, ShmSender
+from tandem.disagg.worker.transport import TransferHandle
+from tandem.disagg.worker.transports.shm import ShmReceiver, ShmSender
 from tandem.kv.pool import KVPool, PoolPart, shared_zeros
 
 RESULTS = Path(__file__).resolve().parent / "results" / "group_kv.json"

@@ -20,7 +20,7 @@ import yaml
 from server_utils import free_port, web
 
 from tandem.cli import build_parser
-from tandem.disagg.wire import SECRET_ENV
+from tandem.disagg.worker.wire import SECRET_ENV
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

@@ -16,10 +16,10 @@ import torch
 from test_tiny_models import build
 
 from tandem.config import EngineConfig
-from tandem.disagg.connector import KVRecvConnector, KVSendConnector
-from tandem.disagg.flight import prefill_request
-from tandem.disagg.transport import KVReceiver, TransferHandle
-from tandem.disagg.transports.factory import RoutingSender, make_receiver
+from tandem.disagg.router.flight import prefill_request
+from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector
+from tandem.disagg.worker.transport import KVReceiver, TransferHandle
+from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request

@@ -287,7 +287,7 @@ def test_abort_storm_leaves_no_blocks(passages: list[str], disagg_server: Server
 def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
     from server_utils import free_port
 
-    from tandem.disagg.wire import SECRET_ENV
+    from tandem.disagg.worker.wire import SECRET_ENV
 
     port = free_port()
     router = f"tcp://127.0.0.1:{port}"

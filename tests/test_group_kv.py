@@ -23,8 +23,8 @@ from test_kv_store import conversations, run, store_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.config import EngineConfig
-from tandem.disagg.connector import KVRecvConnector, KVSendConnector
-from tandem.disagg.transports.factory import RoutingSender, make_receiver
+from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector
+from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore
 from tandem.engine.worker_group import load_engine_model
 from tandem.kv.pool import KVPool, PoolPart, map_shared, shared_zeros

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from tandem.disagg.transport import KVReceiver, TransferHandle, TransferResult
-from tandem.disagg.transports.factory import RoutingSender, make_receiver
+from tandem.disagg.worker.transport import KVReceiver, TransferHandle, TransferResult
+from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 from tandem.kv.pool import KVPool
 
 SHAPE = (3, 2, 64, 16, 2, 8)  # layers, K/V, blocks, block size, kv heads, head dim

@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import pytest
 
-from tandem.disagg.dispatch import Dispatcher
-from tandem.disagg.flight import Flight, Phase, WorkerLost
-from tandem.disagg.messages import (
+from tandem.disagg.router.dispatch import Dispatcher
+from tandem.disagg.router.flight import Flight, Phase, WorkerLost
+from tandem.disagg.router.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.router.settings import RouterCounters, RouterSettings
+from tandem.disagg.worker.messages import (
     Admit,
     Migrated,
     MigrateKV,
@@ -24,14 +26,12 @@ from tandem.disagg.messages import (
     Resume,
     WorkerInfo,
 )
-from tandem.disagg.registry import WorkerHandle, WorkerRegistry
-from tandem.disagg.routing import Router, RoutingSettings
-from tandem.disagg.settings import RouterCounters, RouterSettings
-from tandem.disagg.transport import KVEndpoint, TransferHandle, TransferResult
+from tandem.disagg.worker.transport import KVEndpoint, TransferHandle, TransferResult
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.messages import AbortRequests
 from tandem.engine.request import Request
 from tandem.policy.paths import Slo
+from tandem.policy.routing import Router, RoutingSettings
 from tandem.sampling_params import SamplingParams
 
 OUTPUT = [11, 12, 13]

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tandem.disagg.dispatch import Dispatcher
-from tandem.disagg.flight import Flight
-from tandem.disagg.messages import WorkerInfo, WorkerStats
-from tandem.disagg.registry import WorkerRegistry
-from tandem.disagg.routing import Router, RoutingSettings
-from tandem.disagg.settings import RouterCounters, RouterSettings
-from tandem.disagg.transport import TransferStats
+from tandem.disagg.router.dispatch import Dispatcher
+from tandem.disagg.router.flight import Flight
+from tandem.disagg.router.registry import WorkerRegistry
+from tandem.disagg.router.settings import RouterCounters, RouterSettings
+from tandem.disagg.worker.messages import WorkerInfo, WorkerStats
+from tandem.disagg.worker.transport import TransferStats
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.request import Request
 from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission
 from tandem.policy.deadlines import Flights, predict_ttft
 from tandem.policy.latency import PRIOR_PREFILL_TOK_S, WorkerRates
 from tandem.policy.paths import Slo
+from tandem.policy.routing import Router, RoutingSettings
 from tandem.sampling_params import SamplingParams
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)

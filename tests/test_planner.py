@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fake_clock import Clock
 
-from tandem.disagg.planner import Planner, PlannerSettings, forecast_rate
+from tandem.policy.planner import Planner, PlannerSettings, forecast_rate
 
 SETTINGS = PlannerSettings(enabled=True, slo_ttft_s=1.0, slo_tpot_s=0.1, window_s=30, dwell_s=60, min_samples=4)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.disagg.flight import Flight, Phase
-from tandem.disagg.messages import WorkerInfo
-from tandem.disagg.planner import PlannerSettings
-from tandem.disagg.planning import PlannerLoop
-from tandem.disagg.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.router.flight import Flight, Phase
+from tandem.disagg.router.planner_loop import PlannerLoop
+from tandem.disagg.router.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.worker.messages import WorkerInfo
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.messages import Shutdown
 from tandem.engine.request import Request
+from tandem.policy.planner import PlannerSettings
 from tandem.sampling_params import SamplingParams
 
 

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry
 
 from tandem.cli.cluster import planner_profiles
 from tandem.config import CacheConfig, SchedulerConfig
-from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics
-from tandem.disagg.planner import Planner, PlannerSettings
-from tandem.disagg.prediction import Candidate, Forecast, Prediction, Split, candidates
-from tandem.disagg.settings import RouterCounters
+from tandem.disagg.router.metrics import ClusterSnapshot, DisaggMetrics
+from tandem.disagg.router.settings import RouterCounters
+from tandem.policy.planner import Planner, PlannerSettings
+from tandem.policy.prediction import Candidate, Forecast, Prediction, Split, candidates
 from tandem.sim.cluster import ClusterSim, Deployment, SimSession, SimTurn
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
 from tandem.sim.predict import SimPredictor

@@ -90,7 +90,7 @@ def test_the_ray_launcher_sees_room_on_the_cluster(ray_head: str) -> None:
     """What lets the planner add a worker: free CPUs on the cluster, and none once they are placed."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from tandem.disagg.ray_launch import connect, ray_launcher
+    from tandem.disagg.fleet.ray_launcher import connect, ray_launcher
 
     try:
         assert connect(ray_head) == ray.nodes()[0]["NodeManagerAddress"]  # the address the cluster knows

@@ -12,9 +12,9 @@ import pytest
 from fake_clock import Clock
 
 from tandem.config import EngineConfig
-from tandem.disagg.registry import WorkerHandle
-from tandem.disagg.restarts import Restarter
-from tandem.disagg.settings import RouterSettings
+from tandem.disagg.fleet.restarts import Restarter
+from tandem.disagg.router.registry import WorkerHandle
+from tandem.disagg.router.settings import RouterSettings
 from tandem.restart_backoff import MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S, RestartBackoff
 from tandem.serve.async_engine import AsyncEngine
 

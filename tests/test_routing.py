@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fake_clock import Clock
 
-from tandem.disagg.messages import WorkerInfo
-from tandem.disagg.registry import WorkerHandle
-from tandem.disagg.routing import Router, RoutingSettings
+from tandem.disagg.router.registry import WorkerHandle
+from tandem.disagg.worker.messages import WorkerInfo
 from tandem.engine.core_report import CoreInfo
 from tandem.kv.block_pool import BlockRemoved, BlockStored
 from tandem.policy.prefix_index import PrefixIndex
+from tandem.policy.routing import Router, RoutingSettings
 
 
 def worker(wid: str, load: int = 0) -> WorkerHandle:

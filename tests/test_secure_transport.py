@@ -15,12 +15,12 @@ import torch
 import zmq
 from wiretap import Proxy
 
-from tandem.disagg import router as router_module
-from tandem.disagg import secure, wire
-from tandem.disagg.router import DisaggEngine
-from tandem.disagg.settings import RouterSettings
-from tandem.disagg.transport import TransferHandle, TransferResult
-from tandem.disagg.transports.zmq_tcp import REFUSED, ZmqReceiver, ZmqSender, max_kv_frame
+from tandem.disagg.router import disagg_engine as router_module
+from tandem.disagg.router.disagg_engine import DisaggEngine
+from tandem.disagg.router.settings import RouterSettings
+from tandem.disagg.worker import secure, wire
+from tandem.disagg.worker.transport import TransferHandle, TransferResult
+from tandem.disagg.worker.transports.zmq_tcp import REFUSED, ZmqReceiver, ZmqSender, max_kv_frame
 from tandem.engine.messages import AddRequests
 from tandem.engine.request import Request
 from tandem.kv.pool import KVPool

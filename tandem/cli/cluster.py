@@ -13,12 +13,12 @@ from tandem.engine.args import engine_argv
 
 def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> Any:
     """A DisaggEngine for the flags: the workers this host starts, routing, the planner."""
-    from tandem.disagg.launch import local_launcher
-    from tandem.disagg.planner import PlannerSettings
-    from tandem.disagg.router import DisaggEngine
-    from tandem.disagg.routing import RoutingSettings
-    from tandem.disagg.settings import RouterSettings
-    from tandem.disagg.wire import SECRET_ENV, new_secret
+    from tandem.disagg.fleet.local_launcher import local_launcher
+    from tandem.disagg.router.disagg_engine import DisaggEngine
+    from tandem.disagg.router.settings import RouterSettings
+    from tandem.disagg.worker.wire import SECRET_ENV, new_secret
+    from tandem.policy.planner import PlannerSettings
+    from tandem.policy.routing import RoutingSettings
     from tandem.slo import Slo
 
     secret = os.environ.get(SECRET_ENV, "").encode() or new_secret().hex().encode()
@@ -27,7 +27,7 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
     role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
     bind = args.router_bind or "tcp://127.0.0.1:0"
     if args.ray:
-        from tandem.disagg.ray_launch import connect, ray_launcher
+        from tandem.disagg.fleet.ray_launcher import connect, ray_launcher
 
         if not num_local:
             raise ValueError("--ray places workers: give --prefill-workers/--decode-workers or --workers")

@@ -12,9 +12,9 @@ from tandem.engine.args import add_engine_args, engine_kwargs
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from tandem.config import EngineConfig
-    from tandem.disagg.launch import parse_cores
-    from tandem.disagg.wire import secret_from_env
-    from tandem.disagg.worker import run_worker
+    from tandem.disagg.fleet.local_launcher import parse_cores
+    from tandem.disagg.worker.cluster_worker import run_worker
+    from tandem.disagg.worker.wire import secret_from_env
 
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"

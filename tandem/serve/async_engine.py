@@ -62,7 +62,7 @@ class EngineRequestError(RuntimeError):
 class EngineClient(EngineLoad):
     """What the HTTP layer needs from an engine: validate and enqueue, stream outputs per request,
     abort, report health and stats. AsyncEngine drives one local core; the disaggregated router
-    (tandem.disagg.router) drives a cluster of workers behind the same interface."""
+    (tandem.disagg.router.disagg_engine) drives a cluster of workers behind the same interface."""
 
     def attach_tokenizer(self, tokenizer: Any | None) -> None:
         """The text side's tokenizer: given at construction, or later by a server that launched its core

@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from tandem.disagg.routing import POLICIES
 from tandem.policy.paths import PATH_POLICIES
+from tandem.policy.routing import POLICIES
 from tandem.sim.cost import RooflineCost, save_profile
 from tandem.sim.hardware import GPUS, LINKS, gpu
 from tandem.sim.model_shape import PRESETS, model_shape
@@ -48,7 +48,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from tandem.sim.measure import ProfileGrid, profile
 
     if args.cores:
-        from tandem.disagg.launch import parse_cores
+        from tandem.disagg.fleet.local_launcher import parse_cores
 
         os.sched_setaffinity(0, parse_cores(args.cores))
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from tandem.bench.client import RequestRecord
 from tandem.config import CacheConfig, SchedulerConfig
-from tandem.disagg.routing import Router, RoutingSettings
 from tandem.engine.request import Request
 from tandem.kv.hashing import block_keys
 from tandem.policy.paths import PATH_POLICIES
 from tandem.policy.prefix_index import PrefixIndex
+from tandem.policy.routing import Router, RoutingSettings
 from tandem.sim.cost import CostModel
 from tandem.sim.instance import SIM_TOKEN, SimInstance, TokenEvent, sim_request
 from tandem.sim.path_choice import choose_path

@@ -2,7 +2,7 @@
 
 On a CPU host, workers pinned to their own cores still share the last-level cache and the memory
 bandwidth: a decode step (bandwidth-bound) slows while the next core prefills, and a prefill slows
-less while the next core decodes. `tandem profile` measures it (neighbours.py): the slowdown of its
+less while the next core decodes. `tandem profile` measures it (colocation_profile.py): the slowdown of its
 own prefill and decode steps while a neighbour process on the other cores runs prefills, then
 decodes. The simulator runs a host's in-flight steps at 1 / (1 + Σ slowdown[own][theirs]) of their
 speed, re-pricing each whenever a neighbour starts or ends a step (processor sharing).

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.config import CacheConfig, SchedulerConfig
-from tandem.disagg.connector import KVRecvConnector
+from tandem.disagg.worker.kv_connectors import KVRecvConnector
 from tandem.engine.kv_connector import MultiConnector
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler

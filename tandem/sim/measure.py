@@ -23,9 +23,9 @@ from tandem.engine.core import EngineCore
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.step_meter import LoggedStep
 from tandem.kv.pool import KVPool
+from tandem.sim.colocation_profile import Scenario, measure_neighbours
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, StepShape, TransferFit, fit_steps
 from tandem.sim.drive import run_prompts
-from tandem.sim.neighbours import Scenario, measure_neighbours
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def measure_steps(core: EngineCore, grid: ProfileGrid, vocab: int, progress: Cal
 def measure_transfer(kind: str, core: EngineCore, num_blocks: tuple[int, ...], repeats: int = 3) -> TransferFit:
     """Time the real transport: a decode-side receiver and pool, a sender writing every layer's
     slice of n blocks, then waiting for the fence."""
-    from tandem.disagg.transport import TransferHandle
-    from tandem.disagg.transports.factory import RoutingSender, make_receiver
+    from tandem.disagg.worker.transport import TransferHandle
+    from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 
     secret = os.urandom(32)
     arch = core.runner.model.cfg
@@ -172,7 +172,7 @@ def profile(config: EngineConfig, grid: ProfileGrid | None = None, progress: Cal
     """The fitted cost model of this engine on this machine, and the steps it was fitted to; with
     serve_argv, the serving path's share of a step too (calibrate.py: `tandem serve` with those flags);
     with neighbour_argv (the engine's flags), how its steps slow beside another engine on the host's
-    other cores (neighbours.py)."""
+    other cores (colocation_profile.py)."""
     from tandem.engine.worker_group import load_engine_model
 
     grid = grid or ProfileGrid()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.config import CacheConfig, SchedulerConfig
-from tandem.disagg.prediction import Candidate, Forecast, Prediction, Split
+from tandem.policy.prediction import Candidate, Forecast, Prediction, Split
 from tandem.sim.cluster import ClusterSim, Deployment, SimSession, SimTurn
 from tandem.sim.cost import CostModel, load_profile
 from tandem.sim.run import engine_configs

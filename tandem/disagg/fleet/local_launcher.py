@@ -11,8 +11,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from tandem.disagg.launcher import Roster, roster
-from tandem.disagg.wire import SECRET_ENV
+from tandem.disagg.fleet.launcher import Roster, roster
+from tandem.disagg.worker.wire import SECRET_ENV
 
 
 def parse_cores(spec: str) -> list[int]:

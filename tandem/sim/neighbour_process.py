@@ -1,4 +1,4 @@
-"""The neighbour process `tandem profile` times its steps beside (neighbours.py): the same engine on the
+"""The neighbour process `tandem profile` times its steps beside (colocation_profile.py): the same engine on the
 host's other cores, running prefills or decode batches without end. A kind written to its stdin (a line,
 "prefill" or "decode") switches it, after a warm-up of that kind and another "ready": one process, and one
 model load, serves both neighbours. It runs the kinds in KINDS order, prefill first: a decode neighbour's
@@ -19,13 +19,13 @@ from tandem.process_exit import exit_now
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.config import EngineConfig
-    from tandem.disagg.launch import parse_cores
+    from tandem.disagg.fleet.local_launcher import parse_cores
     from tandem.engine.args import add_engine_args, engine_kwargs
     from tandem.engine.core import EngineCore
     from tandem.engine.worker_group import load_engine_model
-    from tandem.sim.neighbours import NEIGHBOUR_DECODE_STEPS, Scenario, run_steps
+    from tandem.sim.colocation_profile import NEIGHBOUR_DECODE_STEPS, Scenario, run_steps
 
-    p = argparse.ArgumentParser(prog="python -m tandem.sim.neighbour")
+    p = argparse.ArgumentParser(prog="python -m tandem.sim.neighbour_process")
     add_engine_args(p)
     p.add_argument("--kind", required=True, choices=["prefill", "decode"])
     p.add_argument("--cores", required=True)

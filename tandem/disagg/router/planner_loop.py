@@ -25,13 +25,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
-from tandem.disagg.flight import Flight
-from tandem.disagg.launcher import WorkerSpec
-from tandem.disagg.messages import ROLES
-from tandem.disagg.planner import ASSUMED_OUTPUT_TOKENS, Planner, PlannerAction, PlannerSettings
-from tandem.disagg.prediction import Prediction, Predictor
-from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
+from tandem.disagg.fleet.launcher import WorkerSpec
+from tandem.disagg.router.flight import Flight
+from tandem.disagg.router.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
+from tandem.disagg.worker.messages import ROLES
 from tandem.engine.messages import Shutdown
+from tandem.policy.planner import ASSUMED_OUTPUT_TOKENS, Planner, PlannerAction, PlannerSettings
+from tandem.policy.prediction import Prediction, Predictor
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ Migrate = Callable[[str], Awaitable[object]]  # move what a worker (by id) decod
 
 
 class WorkerControl(Protocol):
-    """What the planner may do to the workers the router started (fleet.py's WorkerFleet)."""
+    """What the planner may do to the workers the router started (fleet/owner.py's WorkerFleet)."""
 
     @property
     def launches(self) -> bool:

@@ -2,7 +2,7 @@
 a neighbour, another engine process on the host's other cores running prefills, then decodes, as
 the other worker of a one-machine deployment does (colocation.py holds what is measured).
 
-    python -m tandem.sim.neighbour --kind prefill|decode --cores 1 [engine flags]
+    python -m tandem.sim.neighbour_process --kind prefill|decode --cores 1 [engine flags]
 
 is the neighbour: it loads the same model, warms up, prints "ready", and runs its kind of step until
 its parent goes away or it is told to stop.
@@ -66,7 +66,7 @@ def median_step(core: EngineCore, kind: str, rng: np.random.Generator, vocab: in
 
 
 def start_neighbour(kind: str, cores: list[int], engine_argv: list[str], scenario: Scenario) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.sim.neighbour", "--kind", kind, "--cores",
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.sim.neighbour_process", "--kind", kind, "--cores",
                              ",".join(map(str, cores)), *scenario.argv(), *engine_argv],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -75,7 +75,7 @@ def start_neighbour(kind: str, cores: list[int], engine_argv: list[str], scenari
 
 
 def switch_neighbour(proc: subprocess.Popen[str], kind: str) -> None:
-    """The same neighbour process, now running steps of this kind (neighbour.py)."""
+    """The same neighbour process, now running steps of this kind (neighbour_process.py)."""
     assert proc.stdin is not None
     proc.stdin.write(f"{kind}\n")
     proc.stdin.flush()
@@ -113,7 +113,7 @@ def measure_neighbours(core: EngineCore, engine_argv: list[str], vocab: int, pro
     beside: dict[str, dict[str, float]] = {}
     proc = None
     try:
-        for theirs in KINDS:  # prefill first: neighbour.py switches away from a decode batch only at its end
+        for theirs in KINDS:  # prefill first: neighbour_process.py switches away from a decode batch only at its end
             progress(f"co-location: a {theirs} neighbour on cores {','.join(map(str, cores))}")
             if proc is None:
                 proc = start_neighbour(theirs, cores, engine_argv, scenario)

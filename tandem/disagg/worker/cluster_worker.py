@@ -3,7 +3,7 @@ same engine service loop as the colocated server's core (engine/service.py).
 
 Every worker is a full engine (the router can run a whole request on any of them, which is how it
 runs short prompts and falls back when a transfer fails); the role decides which KV connector its
-engine gets (disagg/connector.py):
+engine gets (disagg/worker/kv_connectors.py):
   prefill, colocated: run a Prefill with the TransferHandle it came with, shipping its KV layer by
            layer as they compute, and report the first token once the transfer has landed;
   decode:  owns the pool the KV lands in; a reserved request waits for its KV in the engine (its
@@ -11,7 +11,7 @@ engine gets (disagg/connector.py):
 Decode and colocated workers both receive (a colocated worker's pool is a landing place too), so
 either can take a decoding request another worker hands over in a live migration; any worker
 that decodes can hand one over (Pause, MigrateKV, Resume).
-Messages: disagg/messages.py.
+Messages: disagg/worker/messages.py.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import replace
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.disagg import secure, wire
-from tandem.disagg.connector import KVRecvConnector, KVSendConnector, ship_blocks
-from tandem.disagg.messages import (
+from tandem.disagg.worker import secure, wire
+from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector, ship_blocks
+from tandem.disagg.worker.messages import (
     RECEIVING_ROLES,
     Aborted,
     Admit,
@@ -51,8 +51,8 @@ from tandem.disagg.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from tandem.disagg.transport import KVReceiver, TransferResult, TransferStats
-from tandem.disagg.transports.factory import RoutingSender, make_receiver
+from tandem.disagg.worker.transport import KVReceiver, TransferResult, TransferStats
+from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 from tandem.engine.core import EngineCore
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats

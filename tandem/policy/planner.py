@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.disagg.prediction import (
+from tandem.policy.prediction import (
     Candidate,
     Forecast,
     Prediction,

@@ -12,8 +12,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tandem.disagg.registry import WorkerHandle
-from tandem.disagg.settings import RouterCounters
+from tandem.disagg.router.registry import WorkerHandle
+from tandem.disagg.router.settings import RouterCounters
 from tandem.serve.metrics import LATENCY_BUCKETS
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.disagg.transport import KVEndpoint, TransferHandle, TransferResult, TransferStats
+from tandem.disagg.worker.transport import KVEndpoint, TransferHandle, TransferResult, TransferStats
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.request import Request

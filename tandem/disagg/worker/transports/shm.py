@@ -13,7 +13,7 @@ import socket
 
 import torch
 
-from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
+from tandem.disagg.worker.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
 from tandem.kv.pool import KVPool, PoolPart, SharedPart, map_shared
 
 

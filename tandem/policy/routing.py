@@ -16,15 +16,38 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from tandem.policy.paths import PATH_POLICIES, Slo
 from tandem.policy.prefix_index import PrefixIndex
 
-if TYPE_CHECKING:  # the registry brings the wire messages and the engine: parsing flags stays light
-    from tandem.disagg.registry import WorkerHandle
-
 POLICIES = ("kv", "least-loaded", "round-robin")
+
+
+class RoutedWorker(Protocol):
+    """What routing reads of a worker (the router's registry entries and the simulator's instances)."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def load(self) -> float: ...
+
+
+W = TypeVar("W", bound=RoutedWorker)
+
+
+class RoutedWorker(Protocol):
+    """What routing reads of a worker (the router's registry entries and the simulator's instances)."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def load(self) -> float: ...
+
+
+W = TypeVar("W", bound=RoutedWorker)
 
 
 @dataclass
@@ -45,26 +68,26 @@ class RoutingSettings:
 
 
 @dataclass
-class Pick:
-    worker: WorkerHandle
+class Pick(Generic[W]):
+    worker: W
     overlap_blocks: int  # of the prompt's full blocks, how many the worker holds (as the index thinks)
     guarded: bool = False  # the load guard overrode the cheapest worker
 
 
-def least_loaded(workers: Sequence[WorkerHandle]) -> WorkerHandle:
+def least_loaded(workers: Sequence[W]) -> W:
     return min(workers, key=lambda w: (w.load, w.worker_id))
 
 
-class Router:
+class Router(Generic[W]):
     def __init__(self, settings: RoutingSettings, index: PrefixIndex,
-                 active_blocks: Callable[[WorkerHandle], int], rng: random.Random | None = None) -> None:
+                 active_blocks: Callable[[W], int], rng: random.Random | None = None) -> None:
         self.settings = settings
         self.index = index
         self.active_blocks = active_blocks
         self.rng = rng or random.Random(0)
         self._turns: dict[tuple[str, ...], itertools.count] = {}
 
-    def pick(self, keys: Sequence[int], num_blocks: int, workers: Sequence[WorkerHandle]) -> Pick | None:
+    def pick(self, keys: Sequence[int], num_blocks: int, workers: Sequence[W]) -> Pick[W] | None:
         """keys: the prompt's full-block keys; num_blocks: all its blocks (the partial last one too)."""
         if not workers:
             return None
@@ -79,7 +102,7 @@ class Router:
             return self._pick_by_cost(keys, num_blocks, workers)
         return Pick(worker, self.index.overlap(worker.worker_id, keys))
 
-    def _pick_by_cost(self, keys: Sequence[int], num_blocks: int, workers: Sequence[WorkerHandle]) -> Pick:
+    def _pick_by_cost(self, keys: Sequence[int], num_blocks: int, workers: Sequence[W]) -> Pick[W]:
         overlaps = [self.index.overlap(w.worker_id, keys) for w in workers]
         costs = [self.settings.overlap_weight * (num_blocks - o) + self.active_blocks(w)
                  for w, o in zip(workers, overlaps, strict=True)]
@@ -97,6 +120,6 @@ class Router:
                 return Pick(spare, overlaps[j], guarded=True)
         return Pick(workers[i], overlaps[i])
 
-    def routed(self, worker: WorkerHandle, keys: Sequence[int]) -> None:
+    def routed(self, worker: W, keys: Sequence[int]) -> None:
         """The request went to the worker: until events say otherwise, its prompt is cached there."""
         self.index.predict(worker.worker_id, keys)

@@ -6,11 +6,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from tandem.disagg.registry import WorkerHandle
 from tandem.restart_backoff import MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S, RestartBackoff
 
 log = logging.getLogger(__name__)
+
+
+class DeadWorker(Protocol):
+    """What a restart reads of a worker that died (a registry entry)."""
+
+    worker_id: str
+    local: bool  # started by this router's launcher (a remote worker's host restarts it)
+    joined: float  # when it last joined, on the restarter's clock
 
 
 class Restarter:
@@ -19,13 +27,13 @@ class Restarter:
                  sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
         self.start = start  # worker id -> its process started again (the fleet's start)
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.clock, self.sleep = clock, sleep  # the registry's clock (WorkerHandle.joined is on it)
+        self.clock, self.sleep = clock, sleep  # the registry's clock (a worker's joined time is on it)
         self.count = 0
         self._backoffs: dict[str, RestartBackoff] = {}  # per worker id: a restarted worker keeps its id
         self._tasks: set[asyncio.Task] = set()
         self._stopped = False
 
-    def schedule(self, worker: WorkerHandle) -> bool:
+    def schedule(self, worker: DeadWorker) -> bool:
         """Start the worker again later; False if it is not ours to start: a remote worker is restarted
         by its own host and joins again."""
         if not worker.local or self._stopped:

@@ -1,12 +1,12 @@
 """The router: a cluster's engine client, behind the same HTTP API as one local engine.
 
 It owns the socket its workers connect to and the deployment's lifecycle; each message a worker
-sends is dispatched by type (disagg/messages.py) to the part that owns its state:
-  registry.py   the workers: liveness, stats, speed, the prefix index;
-  routing.py    which worker of a pool a request goes to; paths.py which path it takes;
-  dispatch.py   each request's flow along its path (flight.py: its state);
-  fleet.py      the worker processes it started (through a launcher, launcher.py);
-  planning.py   the SLO planner moving workers between pools.
+sends is dispatched by type (disagg/worker/messages.py) to the part that owns its state:
+  registry.py      the workers: liveness, stats, speed, the prefix index;
+  policy/routing.py  which worker of a pool a request goes to; policy/paths.py which path it takes;
+  dispatch.py      each request's flow along its path (flight.py: its state);
+  fleet/owner.py   the worker processes it started (through a launcher);
+  planner_loop.py  the SLO planner moving workers between pools.
 A worker that stops heart-beating, or whose process exits, is dropped: its requests that have not
 streamed a token are routed again, the others fail with a clear error, and serving goes on with
 the rest.
@@ -25,28 +25,28 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.disagg import secure, wire
-from tandem.disagg.dispatch import Dispatcher
-from tandem.disagg.fleet import WorkerFleet
-from tandem.disagg.flight import Flight, WorkerLost
-from tandem.disagg.launcher import Launcher
-from tandem.disagg.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
-from tandem.disagg.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
-from tandem.disagg.migration import Migrator
-from tandem.disagg.planner import PlannerSettings
-from tandem.disagg.planning import PlannerLoop
-from tandem.disagg.prediction import Predictor
-from tandem.disagg.registry import WorkerHandle, WorkerRegistry
-from tandem.disagg.restarts import Restarter
-from tandem.disagg.router_view import cluster_health, cluster_snapshot, cluster_view
-from tandem.disagg.routing import Router, RoutingSettings
-from tandem.disagg.settings import RouterCounters, RouterSettings
-from tandem.disagg.store_view import StoreView
+from tandem.disagg.fleet.launcher import Launcher
+from tandem.disagg.fleet.owner import WorkerFleet
+from tandem.disagg.fleet.restarts import Restarter
+from tandem.disagg.router.dispatch import Dispatcher
+from tandem.disagg.router.flight import Flight, WorkerLost
+from tandem.disagg.router.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
+from tandem.disagg.router.migration import Migrator
+from tandem.disagg.router.planner_loop import PlannerLoop
+from tandem.disagg.router.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.router.settings import RouterCounters, RouterSettings
+from tandem.disagg.router.store_view import StoreView
+from tandem.disagg.router.view import cluster_health, cluster_snapshot, cluster_view
+from tandem.disagg.worker import secure, wire
+from tandem.disagg.worker.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.messages import KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
 from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape
+from tandem.policy.planner import PlannerSettings
+from tandem.policy.prediction import Predictor
+from tandem.policy.routing import Router, RoutingSettings
 from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
 
 log = logging.getLogger(__name__)

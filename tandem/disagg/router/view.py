@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tandem.disagg.metrics import ClusterSnapshot
-from tandem.disagg.planning import PlannerLoop
-from tandem.disagg.registry import WorkerRegistry
-from tandem.disagg.settings import RouterCounters
+from tandem.disagg.router.metrics import ClusterSnapshot
+from tandem.disagg.router.planner_loop import PlannerLoop
+from tandem.disagg.router.registry import WorkerRegistry
+from tandem.disagg.router.settings import RouterCounters
 from tandem.engine.worker_view import host_name, worker_entry
 
 

@@ -8,10 +8,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tandem.disagg.dispatch import Dispatcher
-from tandem.disagg.flight import Flight, WorkerLost
-from tandem.disagg.messages import RECEIVING_ROLES
-from tandem.disagg.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.router.dispatch import Dispatcher
+from tandem.disagg.router.flight import Flight, WorkerLost
+from tandem.disagg.router.registry import WorkerHandle, WorkerRegistry
+from tandem.disagg.worker.messages import RECEIVING_ROLES
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
-from tandem.disagg.registry import WorkerHandle
+from tandem.disagg.router.registry import WorkerHandle
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.request import Request
 

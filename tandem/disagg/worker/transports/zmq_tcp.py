@@ -19,8 +19,8 @@ import warnings
 import torch
 import zmq
 
-from tandem.disagg import secure, wire
-from tandem.disagg.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
+from tandem.disagg.worker import secure, wire
+from tandem.disagg.worker.transport import KVEndpoint, KVReceiver, KVSender, TransferError, TransferHandle, dtype_name
 from tandem.kv.pool import KVPool
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """Picks a KV transport backend: by flag for a decode worker's receiver, by each handle's endpoint for
 a prefill worker's sender. It sits above the backends (they import only the interface,
-disagg/transport.py), so nothing below it knows which backends exist."""
+disagg/worker/transport.py), so nothing below it knows which backends exist."""
 
 from __future__ import annotations
 
 import torch
 
-from tandem.disagg.transport import KVReceiver, KVSender, TransferError, TransferHandle
-from tandem.disagg.transports.shm import ShmReceiver, ShmSender
-from tandem.disagg.transports.zmq_tcp import ZmqReceiver, ZmqSender
+from tandem.disagg.worker.transport import KVReceiver, KVSender, TransferError, TransferHandle
+from tandem.disagg.worker.transports.shm import ShmReceiver, ShmSender
+from tandem.disagg.worker.transports.zmq_tcp import ZmqReceiver, ZmqSender
 
 
 def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"") -> KVReceiver:

@@ -1,11 +1,11 @@
-"""The launcher interface: how the router starts the workers it owns, on this host (launch.py) or as
-Ray actors (ray_launch.py).
+"""The launcher interface: how the router starts the workers it owns, on this host (local_launcher.py) or
+as Ray actors (ray_launcher.py).
 
 A launcher holds the deployment's roster: each worker's id ("decode-0") and WorkerSpec (its role
 and cores). It starts a worker's process from its spec, again with the same id after a death, and
 edits the roster when the planner moves cores from one pool to another or, where the launcher is
 elastic, adds a worker on new cores or lets one go. It does not keep the processes it starts:
-the router's WorkerFleet (fleet.py) owns them, and it is the launcher's only caller.
+the router's WorkerFleet (owner.py) owns them, and it is the launcher's only caller.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.disagg.transport import KVReceiver, KVSender, TransferHandle
+from tandem.disagg.worker.transport import KVReceiver, KVSender, TransferHandle
 from tandem.engine.kv_connector import FinishedTransfers, KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ConnectorMeta, ScheduledRequest

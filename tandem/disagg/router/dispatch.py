@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from tandem.disagg.flight import (
+from tandem.disagg.router.flight import (
     Flight,
     Phase,
     WorkerLost,
@@ -31,7 +31,10 @@ from tandem.disagg.flight import (
     prefill_request,
     reserve_request,
 )
-from tandem.disagg.messages import (
+from tandem.disagg.router.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
+from tandem.disagg.router.settings import RouterCounters, RouterSettings
+from tandem.disagg.router.store_view import StoreView
+from tandem.disagg.worker.messages import (
     Admit,
     FlightReply,
     Migrated,
@@ -45,15 +48,12 @@ from tandem.disagg.messages import (
     Resume,
     TransferFailed,
 )
-from tandem.disagg.registry import PREFILL_CAPABLE, WorkerHandle, WorkerRegistry
-from tandem.disagg.routing import Pick, Router
-from tandem.disagg.settings import RouterCounters, RouterSettings
-from tandem.disagg.store_view import StoreView
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.messages import AbortRequests, AddRequests
 from tandem.kv.hashing import block_keys
 from tandem.policy.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
+from tandem.policy.routing import Pick, Router
 from tandem.serve.async_engine import EngineDeadError
 
 log = logging.getLogger(__name__)

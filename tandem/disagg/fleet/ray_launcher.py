@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.disagg.launcher import Roster, roster
+from tandem.disagg.fleet.launcher import Roster, roster
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WorkerActor:
 
         from tandem import logs
         from tandem.config import EngineConfig
-        from tandem.disagg.worker import run_worker
+        from tandem.disagg.worker.cluster_worker import run_worker
         from tandem.engine.args import add_engine_args, engine_kwargs
 
         logs.setup(log_level, process=worker_id)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.disagg.messages import WorkerInfo, WorkerStats
+from tandem.disagg.worker.messages import WorkerInfo, WorkerStats
 from tandem.engine.core_report import CoreStats, sum_stats
 from tandem.policy.deadlines import EngineShape
 from tandem.policy.latency import Speed, WorkerRates, fleet_shape, fleet_speed
@@ -25,7 +25,7 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     alive: bool = True
     inflight: set[str] = field(default_factory=set)
-    local: bool = False  # its process is one the router started (fleet.py): watched and restarted there
+    local: bool = False  # its process is one the router started (fleet/owner.py): watched and restarted there
     joined: float = field(default_factory=time.monotonic)
     draining: bool = False  # the planner is taking it out of its pool: no new requests
     rates: WorkerRates = field(default_factory=WorkerRates)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
-from tandem.disagg.launcher import Launcher, WorkerProcess, WorkerSpec
+from tandem.disagg.fleet.launcher import Launcher, WorkerProcess, WorkerSpec
 
 
 class WorkerFleet:
