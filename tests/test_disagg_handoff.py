@@ -8,6 +8,8 @@ The processes, sockets and failures around this are tested end to end in test_di
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +18,12 @@ import torch
 from test_tiny_models import build
 
 from tandem.config import EngineConfig
-from tandem.disagg.router.flight import prefill_request
+from tandem.disagg.router.flight import migrated_request, prefill_request
 from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector
 from tandem.disagg.worker.transport import KVReceiver, TransferHandle
 from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
+from tandem.engine.connectors.base import KVConnector
 from tandem.engine.core import EngineCore
-from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request
 from tandem.model.loader import load_model
 from tandem.sampling_params import SamplingParams
@@ -34,11 +36,9 @@ def engine(path: Path, budget: int, receiver: KVReceiver | None = None, connecto
            kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=96, block_size=BLOCK,
                                       max_num_batched_tokens=budget, num_threads=1, kv_cache_dtype=kv_cache_dtype)
-    core = EngineCore(config, load_model(str(path), torch.float32).model, connector,
+    # The receiving connector attaches its receiver to the pool.
+    return EngineCore(config, load_model(str(path), torch.float32).model, connector,
                       shared_kv=receiver is not None and receiver.needs_shared_pool)
-    if receiver is not None:
-        receiver.attach(core.runner.kv_pool)
-    return core
 
 
 def prefill_engine(path: Path, budget: int, kv_cache_dtype: str = "auto") -> EngineCore:
@@ -155,3 +155,58 @@ def test_a_reservation_is_private_until_admitted(tiny: Path) -> None:
     decode.abort(["remote"])
     assert_clean(decode)
     receiver.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_live_migration_goes_through_the_sending_connector(tiny: Path, transport: str) -> None:
+    """What a migration does on the two workers, minus the processes: a decoding request is paused on a
+    source engine, its computed KV leaves through the source's sending connector (read from the pool
+    it registered: nothing else touches a pool) into a target's reservation, and the target decodes
+    on to a single engine's greedy tokens. A reservation too small for the KV is refused with the
+    reason, and nothing is sent."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, VOCAB, 21).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [expected] = run_colocated(engine(tiny, 64), [prompt], 12)
+    receiver = make_receiver(transport, "127.0.0.1", 0, b"k")
+    source = prefill_engine(tiny, 64)  # a sending connector alone: a colocated worker's, less its receiver
+    target = decode_engine(tiny, 64, receiver)
+    send, recv = source.connector, target.connector
+    assert isinstance(send, KVSendConnector) and isinstance(recv, KVRecvConnector)
+    try:
+        request = Request("m", prompt, params)
+        source.add_request(request)
+        produced: list[int] = []
+        while len(produced) < 5:
+            produced += [t for o in source.step() for t in o.new_token_ids]
+        paused = source.pause("m")
+        assert paused is not None and list(paused.output_token_ids) == produced
+        block_ids = source.scheduler.kv.get_block_ids("m")
+        recv.expect("m")
+        target.add_request(migrated_request(Request("m", prompt, params), produced))  # the router's copy
+        while not (handles := recv.take_reserved()):
+            assert target.step() == []
+        [handle] = handles
+        short = replace(handle, block_ids=handle.block_ids[:2])
+        assert "the reservation holds 2 blocks" in send.migrate(short, block_ids, paused.num_computed_tokens)
+        assert send.migrate(handle, block_ids, paused.num_computed_tokens) is None
+        deadline = time.monotonic() + 30
+        while not (results := send.sender.poll()):
+            assert time.monotonic() < deadline, "the migration's KV never landed"
+            time.sleep(0.001)
+        assert [(r.request_id, r.ok) for r in results] == [("m", True)]
+        end = -(-paused.num_computed_tokens // BLOCK)
+        src, dst = (torch.tensor(ids[:end]) for ids in (block_ids, handle.block_ids))
+        pools = source.runner.kv_pool, target.runner.kv_pool
+        for layer in range(pools[0].shape[0]):  # every computed block, bit for bit
+            assert torch.equal(pools[1].read_layer(layer, dst), pools[0].read_layer(layer, src))
+        source.abort(["m"])  # the source frees it once the KV has landed
+        assert recv.arrived("m", produced[-1])
+        while target.has_unfinished():
+            produced += [t for o in target.step() for t in o.new_token_ids]
+        assert produced == expected
+        for core in (source, target):
+            assert_clean(core)
+    finally:
+        send.sender.close()
+        receiver.shutdown()

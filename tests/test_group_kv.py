@@ -46,11 +46,9 @@ def group_engine(path: Path, tp: int, connector: object = None, receiver: object
     config = EngineConfig.from_kwargs(str(path), dtype="float32", num_blocks=num_blocks, block_size=BLOCK,
                                       max_num_batched_tokens=budget, num_threads=2, tensor_parallel_size=tp,
                                       **options)
-    core = EngineCore(config, load_engine_model(config).model, connector,
+    # The receiving connector attaches its receiver to the pool.
+    return EngineCore(config, load_engine_model(config).model, connector,
                       shared_kv=receiver is not None and receiver.needs_shared_pool)
-    if receiver is not None:
-        receiver.attach(core.runner.kv_pool)
-    return core
 
 
 def close_all(*cores: EngineCore) -> None:

@@ -19,9 +19,9 @@ import torch
 from test_tiny_models import build
 
 from tandem.config import EngineConfig
+from tandem.engine.connectors.store import StoreConnector
 from tandem.engine.core import EngineCore
 from tandem.engine.request import Request
-from tandem.engine.store_connector import StoreConnector
 from tandem.kv.store.mooncake_master import mooncake_available
 from tandem.model.loader import load_model
 from tandem.sampling_params import SamplingParams

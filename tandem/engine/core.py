@@ -17,9 +17,10 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import step_time_cache
+from tandem.engine.connectors.base import KVConnector
+from tandem.engine.connectors.multi import MultiConnector
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.grammars import Grammars
-from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
@@ -55,7 +56,7 @@ def with_store(connector: KVConnector | None, config: EngineConfig, model: Causa
     settings = config.cache.store_settings()
     if not settings.enabled:
         return connector or KVConnector()
-    from tandem.engine.store_connector import StoreConnector
+    from tandem.engine.connectors.store import StoreConnector
     from tandem.kv.store.tiered import TieredStore, open_tiers
 
     block_nbytes = kv_block_nbytes(config, model)

@@ -15,8 +15,8 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.block_table import BlockTables
+from tandem.engine.connectors.base import KVConnector
 from tandem.engine.group_messages import PoolSpec, StepInputs
-from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.engine.request import Request

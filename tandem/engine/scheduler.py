@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.config import CacheConfig, SchedulerConfig
+from tandem.engine.connectors.base import KVConnector
 from tandem.engine.fair_queue import FairQueue, order_key
-from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 from tandem.engine.tenant_shares import TenantShares

@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.disagg.worker.kv_connectors import KVRecvConnector
-from tandem.engine.kv_connector import MultiConnector
+from tandem.engine.connectors.multi import MultiConnector
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import SchedulerOutput

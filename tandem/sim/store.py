@@ -1,8 +1,9 @@
 """The tiered KV store in the simulator: block keys in LRU tiers of given capacities and bandwidths
 (host memory, disk, a distributed store), shared by the instances that name it, and a connector
-whose scheduler half decides as the engine's StoreConnector does: save every block a step fills
-that no tier holds yet (write-through), load a prompt's next blocks when the store holds them (never
-the last token), the request waiting in WAITING_FOR_KV while the bytes cross the tier's bandwidth."""
+whose scheduler half decides by the engine's StoreConnector's own rules (engine/connectors/store.py:
+loadable_tokens, unsaved_blocks): save every block a step fills that no tier holds yet
+(write-through), load a prompt's next blocks when the store holds them (never the last token), the
+request waiting in WAITING_FOR_KV while the bytes cross the tier's bandwidth."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.engine.kv_connector import FinishedTransfers, KVConnector
+from tandem.engine.connectors.base import FinishedTransfers, KVConnector
+from tandem.engine.connectors.store import loadable_tokens, unsaved_blocks
 from tandem.engine.request import Request
 from tandem.engine.step import ScheduledRequest
 
@@ -103,9 +105,7 @@ class SimStoreConnector(KVConnector):
         self.loaded_tokens = 0
 
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        start = num_computed_tokens // self.block_size
-        end = (request.num_tokens - 1) // self.block_size
-        return self.store.num_leading(request.block_hashes[start:end]) * self.block_size
+        return loadable_tokens(request, num_computed_tokens, self.block_size, self.store.num_leading)
 
     def on_allocated(self, request: Request, block_ids: list[int], num_computed_tokens: int,
                      num_external_tokens: int) -> None:
@@ -137,12 +137,8 @@ class SimStoreConnector(KVConnector):
 
     def build_step(self, items: list[ScheduledRequest]) -> None:
         for item in items:
-            request = item.request
-            full = min((request.num_computed_tokens + item.num_new_tokens) // self.block_size,
-                       len(request.block_hashes))
-            start = self._saved.get(request.request_id, 0)
-            self._pending += [k for k in request.block_hashes[start:full] if not self.store.contains(k)]
-            self._saved[request.request_id] = max(start, full)
+            self._pending += [item.request.block_hashes[i]
+                              for i in unsaved_blocks(item, self._saved, self.block_size, self.store.contains)]
 
     def step_done(self) -> None:
         """The step's blocks are computed: into the store (the engine's saver does this after the step)."""

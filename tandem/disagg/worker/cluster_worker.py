@@ -28,7 +28,7 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.disagg.worker import secure, wire
-from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector, ship_blocks
+from tandem.disagg.worker.kv_connectors import KVRecvConnector, KVSendConnector
 from tandem.disagg.worker.messages import (
     RECEIVING_ROLES,
     Aborted,
@@ -53,10 +53,11 @@ from tandem.disagg.worker.messages import (
 )
 from tandem.disagg.worker.transport import KVReceiver, TransferResult, TransferStats
 from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
+from tandem.engine.connectors.base import KVConnector
+from tandem.engine.connectors.multi import MultiConnector
 from tandem.engine.core import EngineCore
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats
-from tandem.engine.kv_connector import KVConnector, MultiConnector
 from tandem.engine.messages import AbortRequests, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
@@ -103,20 +104,16 @@ class Worker(EngineService):
         block_size = config.cache.block_size
         self.kv_send = KVSendConnector(self.sender, block_size)
         self.kv_recv: KVRecvConnector | None = None
+        # Every worker sends: a prefill's KV, or a paused request's on a live migration (a decode worker's).
         connector: KVConnector = self.kv_send
         if role in RECEIVING_ROLES:
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
             self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
-            connector = self.kv_recv if role == "decode" else MultiConnector([self.kv_send, self.kv_recv])
+            connector = MultiConnector([self.kv_send, self.kv_recv])
         config.cache.enable_kv_events = True  # the router's prefix index follows this pool
         loaded = load_engine_model(config)
         super().__init__(EngineCore(config, loaded.model, connector, lambda: loaded.tokenizer,
                                     shared_kv=self.receiver is not None and self.receiver.needs_shared_pool))
-        if not self.core.runner.kv_pool.complete:
-            raise ValueError(f"a worker group on {config.model.device} cannot share its ranks' KV pools with rank 0 "
-                             "(only CPU groups do): run this worker with one process")
-        if self.receiver is not None:
-            self.receiver.attach(self.core.runner.kv_pool)
         self.handlers.update({
             AbortRequests: self._on_abort, Forget: lambda m: self.sender.forget(m.kv_address),
             Reserve: lambda m: self.reserve(m.request), Prefill: self._on_prefill, Admit: self._on_admit,
@@ -206,15 +203,10 @@ class Worker(EngineService):
         if request is None:
             self.send(Migrated(rid, False, reason=f"request {rid} is not paused on {self.worker_id}"))
             return
-        block_ids = self.core.scheduler.kv.get_block_ids(rid)
-        end = -(-request.num_computed_tokens // self.core.config.cache.block_size)
-        start = handle.num_cached_blocks
-        if end > len(handle.block_ids) or end > len(block_ids):
-            self.send(Migrated(rid, False, reason=f"the reservation holds {len(handle.block_ids)} blocks, "
-                               f"the request {end}"))
+        refused = self.kv_send.migrate(handle, self.core.scheduler.kv.get_block_ids(rid), request.num_computed_tokens)
+        if refused is not None:
+            self.send(Migrated(rid, False, reason=refused))
             return
-        ship_blocks(self.sender, self.core.runner.kv_pool, handle, block_ids[start:end], handle.block_ids[start:end])
-        self.sender.finish(handle)
         self.migrating.add(rid)
         self._collect_transfers()  # a synchronous transport (shm) has landed already: answer now, not after a step
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.disagg.worker.transport import KVReceiver, KVSender, TransferHandle
-from tandem.engine.kv_connector import FinishedTransfers, KVConnector
+from tandem.engine.connectors.base import FinishedTransfers, KVConnector
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step import ConnectorMeta, ScheduledRequest
 from tandem.kv.pool import KVPool
@@ -86,9 +86,25 @@ class KVSendConnector(KVConnector[_SendPlan]):
         """The request starts over (its step was undone): send everything again."""
         self._next_block.pop(request_id, None)
 
+    def migrate(self, handle: TransferHandle, block_ids: list[int], num_computed_tokens: int) -> str | None:
+        """A paused request's computed blocks (block_ids, the pool's, in order) past what the target
+        caches, every layer at once into the target's reservation, then fenced: the sender reports when
+        they landed. None once sent, else why not."""
+        end = -(-num_computed_tokens // self.block_size)
+        if end > len(handle.block_ids) or end > len(block_ids):
+            return f"the reservation holds {len(handle.block_ids)} blocks, the request {end}"
+        assert self._kv is not None
+        start = handle.num_cached_blocks
+        if end > start:
+            index = torch.tensor(block_ids[start:end], dtype=torch.long)
+            for layer in range(self._kv.shape[0]):
+                self.sender.write(handle, layer, handle.block_ids[start:end], self._kv.read_layer(layer, index))
+        self.sender.finish(handle)
+        return None
+
     # -- worker half ----------------------------------------------------------------------------
     def register_kv_caches(self, pool: KVPool) -> None:
-        self._kv = pool
+        self._kv = whole_pool(pool)
 
     def start_step(self, meta: _SendPlan | None) -> None:
         self._plan = meta
@@ -109,14 +125,12 @@ class KVSendConnector(KVConnector[_SendPlan]):
         self._plan = None
 
 
-def ship_blocks(sender: KVSender, pool: KVPool, handle: TransferHandle, src: list[int], dst: list[int]) -> None:
-    """Every layer of these blocks at once (a migration: the KV is all computed already); the
-    caller fences with sender.finish."""
-    if not src:
-        return
-    index = torch.tensor(src, dtype=torch.long)
-    for layer in range(pool.shape[0]):
-        sender.write(handle, layer, dst, pool.read_layer(layer, index))
+def whole_pool(pool: KVPool) -> KVPool:
+    """A pool whose every KV head this process reads and writes: what sending and receiving move."""
+    if not pool.complete:
+        raise ValueError(f"a worker group on {pool.device} cannot share its ranks' KV pools with rank 0 "
+                         "(only CPU groups do): run this worker with one process")
+    return pool
 
 
 class KVRecvConnector(KVConnector):
@@ -164,6 +178,10 @@ class KVRecvConnector(KVConnector):
 
     def busy(self) -> bool:
         return bool(self._arrived)
+
+    # -- worker half ----------------------------------------------------------------------------
+    def register_kv_caches(self, pool: KVPool) -> None:
+        self.receiver.attach(whole_pool(pool))  # the prefill workers write into it from now on
 
     def take_finished(self) -> FinishedTransfers:
         loads = {rid: self._loading.pop(rid) for rid in self._arrived}

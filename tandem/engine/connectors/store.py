@@ -18,19 +18,41 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from tandem.engine.kv_connector import FinishedTransfers, KVConnector
+from tandem.engine.connectors.base import FinishedTransfers, KVConnector
 from tandem.engine.request import Request
 from tandem.engine.step import ConnectorMeta, ScheduledRequest
 from tandem.kv.pool import KVPool
 from tandem.kv.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+
+
+def loadable_tokens(request: Request, num_computed_tokens: int, block_size: int,
+                    num_leading: Callable[[list[int]], int]) -> int:
+    """The prompt's tokens past those computed that the store can bring in: its next blocks that a tier
+    holds, in a row, short of the block of the last prompt token (that one is computed: its logits
+    sample). num_leading(keys): how many of keys, from the first, the store holds."""
+    start = num_computed_tokens // block_size
+    end = (request.num_tokens - 1) // block_size
+    return num_leading(request.block_hashes[start:end]) * block_size
+
+
+def unsaved_blocks(item: ScheduledRequest, saved: dict[str, int], block_size: int,
+                   contains: Callable[[int], bool]) -> list[int]:
+    """The indices of the blocks this step fills for the request that no tier holds yet (write-through:
+    each block considered once; saved[request id] is the first block not considered, and moves on)."""
+    request = item.request
+    full = min((request.num_computed_tokens + item.num_new_tokens) // block_size, len(request.block_hashes))
+    start = saved.get(request.request_id, 0)
+    saved[request.request_id] = max(start, full)
+    return [i for i in range(start, full) if not contains(request.block_hashes[i])]
 
 
 @dataclass
@@ -83,9 +105,7 @@ class StoreConnector(KVConnector[_SavePlan]):
 
     # -- scheduler half -------------------------------------------------------------------------
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        start = num_computed_tokens // self.block_size
-        end = (request.num_tokens - 1) // self.block_size  # the last token is computed: its logits sample
-        return self.store.num_leading(request.block_hashes[start:end]) * self.block_size
+        return loadable_tokens(request, num_computed_tokens, self.block_size, self.store.num_leading)
 
     def on_allocated(self, request: Request, block_ids: list[int], num_computed_tokens: int,
                      num_external_tokens: int) -> None:
@@ -120,15 +140,9 @@ class StoreConnector(KVConnector[_SavePlan]):
         keys: list[int] = []
         block_ids: list[int] = []
         for item in items:
-            request = item.request
-            full = min((request.num_computed_tokens + item.num_new_tokens) // self.block_size,
-                       len(request.block_hashes))
-            start = self._saved.get(request.request_id, 0)
-            for i in range(start, full):
-                if not self.store.contains(request.block_hashes[i]):
-                    keys.append(request.block_hashes[i])
-                    block_ids.append(item.block_ids[i])
-            self._saved[request.request_id] = max(start, full)
+            for i in unsaved_blocks(item, self._saved, self.block_size, self.store.contains):
+                keys.append(item.request.block_hashes[i])
+                block_ids.append(item.block_ids[i])
         return _SavePlan(keys, block_ids) if keys else None
 
     def reset(self, request_id: str) -> None:
