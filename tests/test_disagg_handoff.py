@@ -24,6 +24,7 @@ from tandem.disagg.worker.transport import KVReceiver, TransferHandle
 from tandem.disagg.worker.transports.factory import RoutingSender, make_receiver
 from tandem.engine.connectors.base import KVConnector
 from tandem.engine.core import EngineCore
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.request import Request
 from tandem.model.loader import load_model
 from tandem.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, prompts: list[lis
     assert not decode.has_unfinished()  # waiting for KV needs no steps
     for i, p in enumerate(prompts):
         send.send_to(handles[f"r{i}"])
-        prefill.add_request(prefill_request(Request(f"r{i}", p, params)))
+        prefill.add_request(Request.from_core_request(prefill_request(EngineCoreRequest(f"r{i}", tuple(p), params))))
     landing: dict[str, int] = {}
     while prefill.has_unfinished() or landing:
         for o in prefill.step():
@@ -183,7 +184,8 @@ def test_a_live_migration_goes_through_the_sending_connector(tiny: Path, transpo
         assert paused is not None and list(paused.output_token_ids) == produced
         block_ids = source.scheduler.kv.get_block_ids("m")
         recv.expect("m")
-        target.add_request(migrated_request(Request("m", prompt, params), produced))  # the router's copy
+        moved = migrated_request(EngineCoreRequest("m", tuple(prompt), params), produced)  # the router's copy
+        target.add_request(Request.from_core_request(moved))
         while not (handles := recv.take_reserved()):
             assert target.step() == []
         [handle] = handles

@@ -28,8 +28,8 @@ from tandem.disagg.worker.messages import (
 )
 from tandem.disagg.worker.transport import KVEndpoint, TransferHandle, TransferResult
 from tandem.engine.core_report import CoreInfo
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import AbortRequests
-from tandem.engine.request import Request
 from tandem.policy.paths import Slo
 from tandem.policy.routing import Router, RoutingSettings
 from tandem.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ class Scripted:
         self.source, self.target = (self.registry.join(wid.encode(), WorkerInfo(wid, "colocated", info, None, "h", i,
                                                                                    None))
                                     for i, wid in enumerate(("w0", "w1")))
-        self.flight = Flight(Request("r", list(range(40)), SamplingParams(max_tokens=32, seed=5)))
+        self.flight = Flight(EngineCoreRequest("r", tuple(range(40)), SamplingParams(max_tokens=32, seed=5)))
         self.flight.phase, self.flight.streamed = Phase.WHOLE, True
         self.dispatch.assign(self.flight, None, self.source)
 
@@ -101,7 +101,7 @@ def test_a_move_that_lands_admits_the_request_on_the_target_with_its_newest_toke
     assert c.kinds("w0") == [Pause, MigrateKV] and c.kinds("w1") == [Reserve, Admit]
     [reserve] = [m for w, m in c.sent if isinstance(m, Reserve)]
     # The target's copy: the prompt and every output token but the newest, whose KV arrives computed.
-    assert reserve.request.output_token_ids == OUTPUT[:-1] and reserve.request.num_tokens == 40 + len(OUTPUT) - 1
+    assert reserve.request.output_token_ids == tuple(OUTPUT[:-1]) and reserve.request.num_tokens == 40 + len(OUTPUT) - 1
     assert reserve.request.sampling_params.seed == 5
     [admit] = [m for w, m in c.sent if isinstance(m, Admit)]
     assert admit.first_token == OUTPUT[-1]

@@ -14,7 +14,7 @@ from tandem.disagg.router.settings import RouterCounters, RouterSettings
 from tandem.disagg.worker.messages import WorkerInfo, WorkerStats
 from tandem.disagg.worker.transport import TransferStats
 from tandem.engine.core_report import CoreInfo, CoreStats
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission
 from tandem.policy.deadlines import Flights, predict_ttft
 from tandem.policy.latency import PRIOR_PREFILL_TOK_S, WorkerRates
@@ -73,7 +73,7 @@ class Cluster:
         rates.decoding = decoding if self.workers[wid].role != "prefill" else 0
 
     def choose(self, prompt_len: int, max_tokens: int = 64) -> tuple[str, str | None, str]:
-        request = Request(f"r{prompt_len}", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+        request = EngineCoreRequest(f"r{prompt_len}", tuple(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
         option = self.dispatch.choose(Flight(request))
         assert option is not None
         return option.path, option.prefill.worker_id if option.prefill else None, option.decode.worker_id
@@ -147,7 +147,7 @@ def test_a_path_that_measures_slower_than_predicted_learns_a_bias() -> None:
     c = Cluster("prefill", "decode")
     c.speed("prefill-0", 2000, 0.05)
     c.speed("decode-1", 2000, 0.05)
-    flight = Flight(Request("r", list(range(2000)), SamplingParams(max_tokens=64)))
+    flight = Flight(EngineCoreRequest("r", tuple(range(2000)), SamplingParams(max_tokens=64)))
     assert c.dispatch.choose(flight).path == "disaggregated"
     for _ in range(20):  # every disaggregated request's TTFT measures 1 s over the prediction
         c.dispatch.learn(flight, flight.predicted_ttft_s + 1.0, flight.predicted_tpot_s)

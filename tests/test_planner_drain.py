@@ -11,8 +11,8 @@ from tandem.disagg.router.planner_loop import PlannerLoop
 from tandem.disagg.router.registry import WorkerHandle, WorkerRegistry
 from tandem.disagg.worker.messages import WorkerInfo
 from tandem.engine.core_report import CoreInfo
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import Shutdown
-from tandem.engine.request import Request
 from tandem.policy.planner import PlannerSettings
 from tandem.sampling_params import SamplingParams
 
@@ -37,8 +37,8 @@ def deployment() -> tuple[WorkerRegistry, dict[str, Flight], WorkerHandle]:
                              local=True) for i in range(2)]
     flights: dict[str, Flight] = {}
     for i, (streamed, prompt) in enumerate(((True, 64), (True, 64), (False, 3000))):
-        flight = Flight(Request(f"r{i}", list(range(prompt)), SamplingParams(max_tokens=500)), phase=Phase.WHOLE,
-                        decode=workers[0], streamed=streamed)
+        request = EngineCoreRequest(f"r{i}", tuple(range(prompt)), SamplingParams(max_tokens=500))
+        flight = Flight(request, phase=Phase.WHOLE, decode=workers[0], streamed=streamed)
         flights[flight.request.request_id] = flight
         workers[0].inflight.add(flight.request.request_id)
     workers[0].rates.prefill_tok_s, workers[0].rates.step_s = 1000.0, 0.05

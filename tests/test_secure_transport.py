@@ -21,8 +21,8 @@ from tandem.disagg.router.settings import RouterSettings
 from tandem.disagg.worker import secure, wire
 from tandem.disagg.worker.transport import TransferHandle, TransferResult
 from tandem.disagg.worker.transports.zmq_tcp import REFUSED, ZmqReceiver, ZmqSender, max_kv_frame
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import AddRequests
-from tandem.engine.request import Request
 from tandem.kv.pool import KVPool
 from tandem.sampling_params import SamplingParams
 
@@ -157,7 +157,7 @@ def test_a_wiretap_between_router_and_worker_sees_no_request(encrypted: bool) ->
     proxy = Proxy(port)
     dealer = worker_socket(ctx, proxy.address, secret)
     try:
-        request = Request(RID, list(TOKEN_IDS), SamplingParams(max_tokens=3))
+        request = EngineCoreRequest(RID, tuple(TOKEN_IDS), SamplingParams(max_tokens=3))
         sent, got = wire.Channel(SECRET), wire.Channel(SECRET)
         dealer.send_multipart(sent.sign(AddRequests([request])))
         frames = recv(router)
@@ -165,7 +165,7 @@ def test_a_wiretap_between_router_and_worker_sees_no_request(encrypted: bool) ->
         msg, _ = got.verify(frames[1:])
         assert isinstance(msg, AddRequests)
         received = msg.requests[0]
-        assert received.prompt_token_ids == TOKEN_IDS and received.request_id == RID
+        assert received.prompt_token_ids == tuple(TOKEN_IDS) and received.request_id == RID
         captured = proxy.captured()
         assert pickled_token_ids() in pickle.dumps(request)  # what the tap looks for is really there
         # In clear text the tap reads the prompt; under CURVE it reads neither it nor the request id.

@@ -8,6 +8,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor, PromptType
+from tandem.engine.request import Request
 from tandem.engine.worker_group import load_engine_model
 from tandem.model.loader import LoadedModel
 from tandem.outputs import RequestOutput
@@ -42,7 +43,7 @@ class LLMEngine:
         requests = self.inputs.make_requests(request_id, ids, params, cache_salt, arrival_time)
         self.outputs.add(request_id, prompt_text if prompt_text is not None else text, requests)
         for r in requests:
-            self.core.add_request(r)
+            self.core.add_request(Request.from_core_request(r))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         children = self.outputs.child_ids(request_id)

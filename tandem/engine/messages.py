@@ -13,12 +13,12 @@ from typing import Any
 
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 
 
 @dataclass
 class AddRequests:
-    requests: list[Request]
+    requests: list[EngineCoreRequest]
 
 
 @dataclass

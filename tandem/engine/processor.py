@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.engine.core_output import EngineCoreOutput
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.logprobs import SampleLogprobs
-from tandem.engine.request import Request
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
 
@@ -87,18 +87,24 @@ class InputProcessor:
             raise ParamError(f"logit_bias token ids must be in [0, {lim.vocab_size}) (got {outside[0]})", "logit_bias")
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      cache_salt: str | None = None, arrival_time: float | None = None) -> list[Request]:
+                      cache_salt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                      tenant: str | None = None, tenant_weight: float = 1.0,
+                      retain_kv_as: str | None = None) -> list[EngineCoreRequest]:
+        """The requests to send for a call: one, or n children sharing the prompt. retain_kv_as: a
+        stored conversation's handle (one request only: n > 1 is never stored)."""
         params.validate()
         self.validate(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt = tuple(prompt_ids)
+        common = dict(eos_token_ids=self.limits.eos_token_ids, cache_salt=cache_salt, arrival_time=arrival,
+                      priority=priority, tenant=tenant, tenant_weight=tenant_weight)
         if params.n == 1:
-            return [Request(request_id, prompt_ids, params, self.limits.eos_token_ids, cache_salt, arrival)]
+            return [EngineCoreRequest(request_id, prompt, params, retain_kv_as=retain_kv_as, **common)]
         # The prompt is the same for every child, so only the first scores it (the parent's output
         # takes its logprobs); the others, not wanting them, may reuse its blocks from the prefix cache.
-        return [Request(child_id(request_id, i), prompt_ids,
-                        replace(params, n=1, seed=None if params.seed is None else params.seed + i,
-                                prompt_logprobs=params.prompt_logprobs if i == 0 else None),
-                        self.limits.eos_token_ids, cache_salt, arrival)
+        return [EngineCoreRequest(child_id(request_id, i), prompt,
+                                  replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                          prompt_logprobs=params.prompt_logprobs if i == 0 else None), **common)
                 for i in range(params.n)]
 
 
@@ -143,7 +149,7 @@ class OutputProcessor:
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add(self, request_id: str, prompt: str | None, requests: list[Request]) -> None:
+    def add(self, request_id: str, prompt: str | None, requests: list[EngineCoreRequest]) -> None:
         seqs = {}
         for i, r in enumerate(requests):
             detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
@@ -152,7 +158,7 @@ class OutputProcessor:
                                            logprobs=[] if r.sampling_params.logprobs is not None else None,
                                            cumulative_logprob=0.0 if r.sampling_params.logprobs is not None else None)
             self.child_to_parent[r.request_id] = request_id
-        self.parents[request_id] = _Parent(request_id, prompt, requests[0].prompt_token_ids,
+        self.parents[request_id] = _Parent(request_id, prompt, list(requests[0].prompt_token_ids),
                                            requests[0].arrival_time, seqs,
                                            awaits_prompt_logprobs=requests[0].sampling_params.prompt_logprobs
                                            is not None)

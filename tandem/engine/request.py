@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.logprobs import SampleLogprobs
 from tandem.sampling_params import SamplingParams
 
@@ -80,6 +81,15 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_core_request(cls, r: EngineCoreRequest) -> Request:
+        """The engine's own request, made on arrival from what crossed the process boundary."""
+        request = cls(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_ids, r.cache_salt,
+                      r.arrival_time, r.priority, r.tenant, r.tenant_weight, r.retain_kv_as)
+        for token in r.output_token_ids:
+            request.append_output_token(token)
+        return request
 
     @property
     def wants_prompt_logprobs(self) -> bool:

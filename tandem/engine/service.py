@@ -21,6 +21,7 @@ from typing import Any
 from tandem.engine.core import EngineCore
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_stats
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -75,9 +76,9 @@ class EngineService:
         """After every turn of the loop."""
 
     # -- requests -----------------------------------------------------------------------------
-    def add(self, request: Request) -> bool:
+    def add(self, request: EngineCoreRequest) -> bool:
         try:
-            self.core.add_request(request)
+            self.core.add_request(Request.from_core_request(request))
             return True
         except ValueError as e:  # e.g. an id still in use here: fail the request, not the engine
             self.send(RequestsFailed([request.request_id], str(e)))

@@ -24,6 +24,7 @@ import zmq.asyncio
 from tandem.config import EngineConfig
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -35,7 +36,6 @@ from tandem.engine.messages import (
     StepOutputs,
 )
 from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
-from tandem.engine.request import Request
 from tandem.engine.worker_view import host_name, process_cores, worker_entry
 from tandem.outputs import RequestOutput
 from tandem.policy.admission import PromptRate
@@ -97,7 +97,7 @@ class EngineClient(EngineLoad):
     def healthy(self) -> bool:
         raise NotImplementedError
 
-    def _submit(self, requests: list[Request]) -> None:
+    def _submit(self, requests: list[EngineCoreRequest]) -> None:
         """Send the validated engine requests on their way (synchronously)."""
         raise NotImplementedError
 
@@ -158,11 +158,8 @@ class EngineClient(EngineLoad):
             raise EngineDeadError(self.dead or "engine is not running")
         assert self.inputs is not None
         rid = request_id or uuid.uuid4().hex
-        requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt)
-        for r in requests:
-            r.priority, r.tenant, r.tenant_weight = priority, tenant, tenant_weight
-        if len(requests) == 1:
-            requests[0].retain_kv_as = retain_as
+        requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt, priority=priority, tenant=tenant,
+                                             tenant_weight=tenant_weight, retain_kv_as=retain_as)
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
         keys = self._block_keys(prompt_ids, cache_salt)
         work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
@@ -342,7 +339,7 @@ class AsyncEngine(EngineClient):
         return {"mode": "colocated", "router": None, "workers": [core], "transfers": [], "planner": None}
 
     # -- requests -----------------------------------------------------------------------------
-    def _submit(self, requests: list[Request]) -> None:
+    def _submit(self, requests: list[EngineCoreRequest]) -> None:
         # Not awaited: zmq.asyncio sends in call order, and this keeps enqueueing atomic.
         self._push.send_pyobj(AddRequests(requests))
 

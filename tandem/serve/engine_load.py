@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.engine.core_report import CoreInfo, CoreStats
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.kv.hashing import block_keys
 from tandem.policy.admission import Load, PromptRate, predict_wait
 from tandem.policy.deadlines import EngineShape, Flights
@@ -36,7 +36,7 @@ class Stream:
     created: float = 0.0
     predicted_ttft_s: float = 0.0  # admission's prediction when it was enqueued (0: none)
     deadline: float = float("inf")  # when its timeout ends (monotonic clock; inf: none)
-    requests: list[Request] = field(default_factory=list)  # as sent: sent again if the engine restarts
+    requests: list[EngineCoreRequest] = field(default_factory=list)  # as sent: sent again if the engine restarts
 
 
 class EngineLoad:

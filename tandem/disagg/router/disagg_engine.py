@@ -40,8 +40,8 @@ from tandem.disagg.router.view import cluster_health, cluster_snapshot, cluster_
 from tandem.disagg.worker import secure, wire
 from tandem.disagg.worker.messages import Aborted, Alive, FlightReply, Forget, Hello, Register
 from tandem.engine.core_output import EngineCoreOutput
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import KVEvents, ReleaseKV, RequestsFailed, Shutdown, StepOutputs
-from tandem.engine.request import Request
 from tandem.logs import startup
 from tandem.policy.deadlines import EngineShape
 from tandem.policy.planner import PlannerSettings
@@ -291,7 +291,7 @@ class DisaggEngine(EngineClient):
             self.planning.observe(ttft, tpot, flight.request.arrival_time, flight.num_output_tokens)
 
     # -- requests -----------------------------------------------------------------------------
-    def _submit(self, requests: list[Request]) -> None:
+    def _submit(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
             flight = Flight(request)
             self.flights[request.request_id] = flight

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 from tandem.disagg.router.flight import (
     Flight,
@@ -322,5 +321,5 @@ class Dispatcher:
         self.assign(flight, None, worker)
         flight.phase = Phase.WHOLE
         # A fresh copy: the request object may have been sent before and must start clean.
-        if not await self.send(worker, AddRequests([replace(flight.request)])):
+        if not await self.send(worker, AddRequests([flight.request])):
             raise WorkerLost(f"worker {worker.worker_id} is unreachable")

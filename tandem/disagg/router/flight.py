@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from tandem.disagg.router.registry import WorkerHandle
 from tandem.engine.core_output import EngineCoreOutput
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 
 
 class Phase(enum.Enum):
@@ -30,14 +30,14 @@ class WorkerLost(Exception):
     pass
 
 
-def prefill_request(request: Request) -> Request:
+def prefill_request(request: EngineCoreRequest) -> EngineCoreRequest:
     """The prefill worker's copy: it computes the prompt and samples the first token, then stops
     (the decode worker continues from that token), so min_tokens masks that token as it would."""
     params = replace(request.sampling_params, max_tokens=1, min_tokens=min(request.sampling_params.min_tokens, 1))
     return replace(request, sampling_params=params)
 
 
-def reserve_request(request: Request) -> Request:
+def reserve_request(request: EngineCoreRequest) -> EngineCoreRequest:
     """The decode worker's copy: its prompt's KV arrives computed, so it never scores the prompt
     (the prefill worker's output carries the prompt logprobs); asked to, its scheduler would compute
     the prompt itself rather than take the transfer."""
@@ -46,17 +46,14 @@ def reserve_request(request: Request) -> Request:
     return replace(request, sampling_params=replace(request.sampling_params, prompt_logprobs=None))
 
 
-def migrated_request(request: Request, output_token_ids: list[int]) -> Request:
+def migrated_request(request: EngineCoreRequest, output_token_ids: list[int]) -> EngineCoreRequest:
     """The target's copy in a migration: the prompt and all but the newest output token, whose KV
     arrives computed (reserved like a prompt), so positions, penalties, seeded noise and stop
     counts carry on as on the source; the newest token comes with the Admit."""
-    moved = reserve_request(replace(request, output_token_ids=[], spec_token_ids=[], prompt_logprobs={}))
-    for token in output_token_ids[:-1]:
-        moved.append_output_token(token)
-    return moved
+    return reserve_request(replace(request, output_token_ids=tuple(output_token_ids[:-1])))
 
 
-def first_token_output(request: Request, first: EngineCoreOutput, max_model_len: int) -> EngineCoreOutput:
+def first_token_output(request: EngineCoreRequest, first: EngineCoreOutput, max_model_len: int) -> EngineCoreOutput:
     """The prefill worker ran the request with max_tokens 1, so its output always "finished"; the
     request itself did only on a stop, at its own max_tokens, or at the context's end."""
     params = request.sampling_params
@@ -67,7 +64,7 @@ def first_token_output(request: Request, first: EngineCoreOutput, max_model_len:
 
 @dataclass
 class Flight:
-    request: Request
+    request: EngineCoreRequest
     phase: Phase = Phase.ROUTING
     prefill: WorkerHandle | None = None
     decode: WorkerHandle | None = None  # whoever streams the rest of the tokens

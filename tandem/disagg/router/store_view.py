@@ -11,7 +11,7 @@ import logging
 
 from tandem.config import EngineConfig
 from tandem.engine.core_report import CoreInfo
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.kv.hashing import block_keys
 from tandem.kv.store.tiered import TieredStore, open_tiers
 
@@ -36,7 +36,7 @@ class StoreView:
                         type(e).__name__, e)
             return None
 
-    def num_stored_tokens(self, request: Request) -> int:
+    def num_stored_tokens(self, request: EngineCoreRequest) -> int:
         """Leading prompt tokens whose KV the store holds, in whole blocks, short of the last token."""
         bs = self.info.block_size
         wanted = (request.num_prompt_tokens - 1) // bs
@@ -44,7 +44,7 @@ class StoreView:
                           request.cache_salt)
         return self.store.num_leading(keys) * bs
 
-    def prefill_free(self, request: Request) -> bool:
+    def prefill_free(self, request: EngineCoreRequest) -> bool:
         """All of the prompt but its last block's tokens is stored (and there is more than that)."""
         stored = self.num_stored_tokens(request)
         return stored > 0 and request.num_prompt_tokens - stored <= self.info.block_size

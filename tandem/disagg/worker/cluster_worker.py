@@ -58,6 +58,7 @@ from tandem.engine.connectors.multi import MultiConnector
 from tandem.engine.core import EngineCore
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import core_info, core_stats
+from tandem.engine.core_request import EngineCoreRequest
 from tandem.engine.messages import AbortRequests, RequestsFailed
 from tandem.engine.request import Request
 from tandem.engine.service import HEARTBEAT_S, EngineService
@@ -124,7 +125,7 @@ class Worker(EngineService):
                                self.receiver.endpoint if self.receiver else None, socket.gethostname(), os.getpid(),
                                cores)
         self.transfer = TransferStats()
-        self.prefills: dict[str, Request] = {}  # prefill requests running here, by id
+        self.prefills: dict[str, EngineCoreRequest] = {}  # prefill requests running here, by id
         self.landing: dict[str, EngineCoreOutput] = {}  # sampled, KV in flight: request id -> its output
         self.reserved_at: dict[str, float] = {}
         self.migrating: set[str] = set()  # paused here, KV on its way to another worker
@@ -210,7 +211,7 @@ class Worker(EngineService):
         self.migrating.add(rid)
         self._collect_transfers()  # a synchronous transport (shm) has landed already: answer now, not after a step
 
-    def reserve(self, request: Request) -> None:
+    def reserve(self, request: EngineCoreRequest) -> None:
         """Queue the request as one whose prompt KV arrives from outside; it is Reserved once the
         engine has allocated its blocks (at once, or when blocks free up: the router waits)."""
         if self.kv_recv is None:
@@ -219,7 +220,7 @@ class Worker(EngineService):
             return
         self.kv_recv.expect(request.request_id)
         try:
-            self.core.add_request(request)
+            self.core.add_request(Request.from_core_request(request))
         except ValueError as e:
             self.send(ReserveFailed(request.request_id, str(e)))
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tandem.disagg.worker.transport import KVEndpoint, TransferHandle, TransferResult, TransferStats
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
-from tandem.engine.request import Request
+from tandem.engine.core_request import EngineCoreRequest
 
 ROLES = ("prefill", "decode", "colocated")
 RECEIVING_ROLES = ("decode", "colocated")  # their pools take KV from other workers (prefills, migrations)
@@ -52,14 +52,14 @@ class WorkerStats:
 class Reserve:
     """Decode worker: allocate blocks for this prompt, whose KV another worker computes."""
 
-    request: Request
+    request: EngineCoreRequest
 
 
 @dataclass
 class Prefill:
     """Compute the prompt (max_tokens 1) and ship its KV layer by layer to the reservation."""
 
-    request: Request
+    request: EngineCoreRequest
     handle: TransferHandle
 
 
