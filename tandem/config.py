@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from tandem.flags import json_object
+from tandem.flags import flag, json_object
 
 if TYPE_CHECKING:  # torch is imported where a dtype is resolved: flags and the API process stay light
     import torch
@@ -69,17 +69,26 @@ def available_cpus() -> int:
 class ModelConfig:
     """Where the weights come from and how they are held."""
 
-    model: str | None = None  # GGUF file, HF directory, or None for the default model
+    model: str | None = flag(None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct)", positional=True)
     # A name (dtype_name): "auto" is bfloat16 where the CPU computes it natively, else float32 (torch_dtype).
-    dtype: str = "auto"
-    quantization: str = "auto"  # one of QUANTIZATION_CHOICES
+    dtype: str = flag("auto", "activations, KV cache and dense weights; auto: bfloat16 where the CPU computes it "
+                      "natively, else float32", choices=("auto", "bfloat16", "float32", "float16"))
+    quantization: str = flag(
+        "auto", "gguf: a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights as stored (4.5-8.5 bits a weight; "
+        "other types are dequantized), activations in float; gguf-q8: the same with int8 activations (llama.cpp's "
+        "arithmetic); none: dequantize to --dtype; auto: gguf where --dtype is not bfloat16 computed natively; "
+        "where it is, none up to 1 GiB of dense weights and gguf-q8 past that (each faster there, measured). A "
+        "model directory is dense either way", choices=QUANTIZATION_CHOICES)
     device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's own context length (capped by the KV pool)
+    max_model_len: int | None = flag(None, "context length (capped by the KV pool's capacity)", unset="the model's")
     seed: int = 0
     # Batch-invariant numerics: each row's result independent of its batch, chunking and cache state,
     # so greedy output is the same alone or batched, streamed or not, cached or not (ops/batch_invariant.h;
     # the compiled AVX512 kernels; the PyTorch fallbacks make no such promise).
-    deterministic: bool = True
+    deterministic: bool = flag(True, "batch-invariant kernels: greedy output and logprobs are the same whether a "
+                               "request runs alone or batched, streamed or not, from the prefix cache or not, "
+                               "prefilled whole or in chunks (AVX512 builds); --no-deterministic: the "
+                               "batch-dependent fast paths")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,17 +112,23 @@ class StoreSettings:
         return self.memory_gib > 0 or self.disk_dir is not None or self.remote is not None
 
 
+STORE_FLAGS = "tiered KV store (blocks kept below the pool, loaded instead of recomputed)"
+WORKER_GROUP_FLAGS = "worker group (one model across processes)"
+
+
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = flag(16, "tokens per KV block")
     # The pool is sized from a memory budget unless num_blocks is given explicitly.
-    kv_cache_memory: float = 4.0  # GiB
-    num_blocks: int | None = None
+    kv_cache_memory: float = flag(4.0, "KV pool size in GiB (allocated once, at start)")
+    num_blocks: int | None = flag(None, "KV pool size in blocks (overrides the memory)", unset="from memory")
     # Commit the pool's memory at start-up so that no step pays for first-touch page faults (CPU).
-    prefault_kv_cache: bool = True
+    prefault_kv_cache: bool = flag(True, "commit the KV pool's memory at start-up (no first-touch page faults "
+                                   "while serving)")
     # "auto": the model's dtype; "int8": rows of int8 with a float32 scale each (tandem/kv/layout.py).
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = flag("auto", "auto: the model's dtype; int8: per token and kv head int8 rows with a "
+                               "float32 scale (about a quarter of float32's bytes)", choices=("auto", "int8"))
+    enable_prefix_caching: bool = flag(True, "reuse the KV blocks of equal prefixes")
     # "sha256": the same key on every process, host and Python version (the KV store and a KV-aware
     # router match keys across them); "builtin" (Python's tuple hash) is faster, equal across processes
     # of one Python build only.
@@ -123,12 +138,17 @@ class CacheConfig:
     # The tiered KV store below the pool (kv/store/): host shared memory (GiB; 0: none) at a path
     # under /dev/shm (default: one per model and geometry), a disk directory and its bound (GiB),
     # a Mooncake master (mooncake://HOST:PORT), and a time to live for stored blocks (seconds).
-    kv_offload_memory: float = 0.0
-    kv_offload_path: str | None = None
-    kv_offload_disk: str | None = None
-    kv_offload_disk_size: float = 8.0
-    kv_store: str | None = None
-    kv_store_ttl: float | None = None
+    kv_offload_memory: float = flag(0.0, "host-memory tier, shared by every worker on the host (0: none)",
+                                    metavar="GIB", group=STORE_FLAGS)
+    kv_offload_path: str | None = flag(None, "the host tier's file under /dev/shm", metavar="PATH",
+                                       group=STORE_FLAGS, unset="one per deployment, removed at exit")
+    kv_offload_disk: str | None = flag(None, "disk tier: a directory (survives restarts)", metavar="DIR",
+                                       group=STORE_FLAGS, unset="none")
+    kv_offload_disk_size: float = flag(8.0, "the disk tier's bound", metavar="GIB", group=STORE_FLAGS)
+    kv_store: str | None = flag(None, "distributed tier: a Mooncake Store master", metavar="mooncake://HOST:PORT",
+                                group=STORE_FLAGS, unset="none")
+    kv_store_ttl: float | None = flag(None, "stored blocks older than this are not used", metavar="SECONDS",
+                                      group=STORE_FLAGS, unset="none")
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(self.kv_offload_memory, self.kv_offload_path, self.kv_offload_disk,
@@ -137,16 +157,18 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 1024  # the per-step token budget shared by prefill chunks and decodes
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = flag(1024, "the per-step token budget shared by prompt chunks and decodes")
+    max_num_seqs: int = flag(128, "cap on running requests")
+    enable_chunked_prefill: bool = flag(True, "split long prompts across steps")
     # A prompt gets at most this many tokens per step (0: no cap), so that short prompts share steps
     # with a long one instead of queueing behind it (vLLM's name; chunked prefill must be on).
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = flag(0, "at most this many prompt tokens of one request per step (0: no cap)")
     # While another tenant has requests here, a tenant's prompt tokens per step are at most this (and its
     # weight's share of the budget): the step in flight when another tenant's chat arrives, and each of
     # its decode steps, stay about as short as a step of this many tokens (0: the share alone).
-    contended_prefill_chunk: int = 128
+    contended_prefill_chunk: int = flag(128, "while another tenant has requests in the engine, a tenant's prompt "
+                                        "tokens per step are at most this (and its weight's share of the budget): "
+                                        "a flood's steps stay short (0: the share)")
     # Speculative decoding reserves room for this many extra tokens per running request per step.
     num_lookahead_tokens: int = 0
 
@@ -214,15 +236,21 @@ class SpeculativeConfig:
 
 @dataclass
 class ParallelConfig:
-    num_threads: int = field(default_factory=available_cpus)  # the whole worker group's, split between ranks
+    num_threads: int = flag(help="torch threads; a worker group splits them between its ranks",
+                            default_factory=available_cpus, unset="the usable cores")
     # A worker group (engine/worker_group.py): tensor_parallel_size ranks split every layer;
     # expert_parallel_size ranks hold whole experts. The group has max(tp, ep) ranks; each of the two
     # is 1 or the group's size (tp 1, ep N: attention whole on every rank, experts spread).
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    enable_eplb: bool = False  # replicate hot experts in spare slots, rebalanced every eplb_interval steps
-    eplb_spare_slots: int = 1  # per rank
-    eplb_interval: int = 64  # steps between expert-load windows (the load metric is measured either way)
+    tensor_parallel_size: int = flag(1, "ranks that split every layer (heads, MLP), one all-reduce per row-parallel "
+                                     "layer", short="-tp", group=WORKER_GROUP_FLAGS)
+    expert_parallel_size: int = flag(1, "ranks that hold whole experts of a mixture-of-experts model (all-to-all "
+                                     "dispatch); 1 or the tensor-parallel size, or N with -tp 1 (attention whole on "
+                                     "every rank)", short="-ep", group=WORKER_GROUP_FLAGS)
+    # The load metric is measured either way.
+    enable_eplb: bool = flag(False, "expert-parallel load balancing: hot experts replicated in spare slots",
+                             group=WORKER_GROUP_FLAGS)
+    eplb_spare_slots: int = flag(1, "expert slots per rank kept for replicas", group=WORKER_GROUP_FLAGS)
+    eplb_interval: int = flag(64, "steps between rebalances (the expert-load window)", group=WORKER_GROUP_FLAGS)
 
     @property
     def world_size(self) -> int:
@@ -247,7 +275,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    speculative: SpeculativeConfig | None = flag(
+        None, 'speculative decoding, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\' (methods: ngram, '
+        'suffix; docs/speculative-decoding.md)', name="speculative_config", metavar="JSON", unset="off")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: object) -> EngineConfig:

@@ -1,85 +1,82 @@
 """Engine options as command-line flags, named as vLLM names them, and back.
 
-Every command that starts an engine (serve, worker, profile, a Ray actor) reads the same flags, and
-a process that starts workers hands its own flags on as a command line (engine_argv).
+Each flag is declared once, on its settings field (config.py's `flag(...)`: default, help, choices);
+the parser (add_engine_args), a worker's command line (engine_argv), the keyword arguments an engine
+is built from (engine_kwargs) and the docs' flag table (flag_table, in docs/serving.md) all read that
+declaration. Every command that starts an engine (serve, worker, profile, a Ray actor) reads the same
+flags, and a process that starts workers hands its own on as a command line.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import MISSING, Field, fields
+from typing import Any
 
-from tandem.config import QUANTIZATION_CHOICES, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tandem.flags import Flag
+
+# The settings whose flagged fields are engine flags, in the order --help lists them.
+ENGINE_SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig)
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def engine_flags(sections: Sequence[type] = ENGINE_SECTIONS) -> list[tuple[Field, Flag]]:
+    """Every flagged field of the sections, with its declaration."""
+    return [(f, f.metadata["flag"]) for section in sections for f in fields(section) if "flag" in f.metadata]
+
+
+def _dest(f: Field, how: Flag) -> str:
+    return how.name or f.name
+
+
+def _value_type(f: Field) -> type:
+    """int, float, str or bool from the field's annotation ("int | None" is int); a setting whose flag
+    takes text it parses itself (the speculative config's JSON) is str."""
+    return _TYPES.get(str(f.type).split("|")[0].strip(), str)
+
+
+def _default(f: Field, how: Flag) -> Any:
+    return None if how.unset is not None or f.default is MISSING else f.default
+
+
+def add_engine_args(p: argparse.ArgumentParser, sections: Sequence[type] = ENGINE_SECTIONS) -> None:
     """Engine options as flags, named as vLLM names them."""
-    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default=ModelConfig.quantization, choices=QUANTIZATION_CHOICES,
-                   help="gguf: a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights as stored (4.5-8.5 bits a "
-                        "weight; other types are dequantized), activations "
-                        "in float; gguf-q8: the same with int8 activations (llama.cpp's arithmetic); none: "
-                        "dequantize to --dtype; auto: gguf where --dtype is not bfloat16 computed natively; where "
-                        "it is, none up to 1 GiB of dense weights and gguf-q8 past that (each faster there, "
-                        "measured). A model directory is dense either way")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=ModelConfig.deterministic,
-                   help="batch-invariant kernels: greedy output and logprobs are the same whether a request runs "
-                        "alone or batched, streamed or not, from the prefix cache or not, prefilled whole or in "
-                        "chunks (AVX512 builds); --no-deterministic: the batch-dependent fast paths")
-    p.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory, help="KV pool size in GiB")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=["auto", "int8"],
-                   help="auto: the model's dtype; int8: per token and kv head int8 rows with a float32 scale "
-                        "(about a quarter of float32's bytes)")
-    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=CacheConfig.prefault_kv_cache,
-                   help="commit the KV pool's memory at start-up (no first-touch page faults while serving)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=SchedulerConfig.long_prefill_token_threshold,
-                   help="at most this many prompt tokens of one request per step (0: no cap)")
-    p.add_argument("--contended-prefill-chunk", type=int, default=SchedulerConfig.contended_prefill_chunk,
-                   help="while another tenant has requests in the engine, a tenant's prompt tokens per step are at "
-                        "most this (and its weight's share of the budget): a flood's steps stay short (0: the share)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads (default: the usable cores); a worker group splits them between its ranks")
-    group = p.add_argument_group("worker group (one model across processes)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=ParallelConfig.tensor_parallel_size,
-                       help="ranks that split every layer (heads, MLP), one all-reduce per row-parallel layer")
-    group.add_argument("--expert-parallel-size", "-ep", type=int, default=ParallelConfig.expert_parallel_size,
-                       help="ranks that hold whole experts of a mixture-of-experts model (all-to-all dispatch); "
-                            "1 or the tensor-parallel size, or N with -tp 1 (attention whole on every rank)")
-    group.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=ParallelConfig.enable_eplb,
-                       help="expert-parallel load balancing: hot experts replicated in spare slots")
-    group.add_argument("--eplb-spare-slots", type=int, default=ParallelConfig.eplb_spare_slots,
-                       help="expert slots per rank kept for replicas")
-    group.add_argument("--eplb-interval", type=int, default=ParallelConfig.eplb_interval,
-                       help="steps between rebalances (the expert-load window)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\' '
-                        '(methods: ngram, suffix; README "Speculative decoding"); off by default')
-    store = p.add_argument_group("tiered KV store (blocks kept below the pool, loaded instead of recomputed)")
-    store.add_argument("--kv-offload-memory", type=float, default=CacheConfig.kv_offload_memory, metavar="GIB",
-                       help="host-memory tier, shared by every worker on the host (0: none)")
-    store.add_argument("--kv-offload-path", default=None, metavar="PATH",
-                       help="the host tier's file under /dev/shm (default: one per deployment, removed at exit)")
-    store.add_argument("--kv-offload-disk", default=None, metavar="DIR",
-                       help="disk tier: a directory (survives restarts)")
-    store.add_argument("--kv-offload-disk-size", type=float, default=CacheConfig.kv_offload_disk_size, metavar="GIB")
-    store.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
-                       help="distributed tier: a Mooncake Store master")
-    store.add_argument("--kv-store-ttl", type=float, default=None, metavar="SECONDS",
-                       help="stored blocks older than this are not used")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f, how in engine_flags(sections):
+        target = p if how.group is None else groups.setdefault(how.group, p.add_argument_group(how.group))
+        kind, default = _value_type(f), _default(f, how)
+        if how.positional:
+            target.add_argument(f.name, nargs="?", default=default, help=how.help)
+            continue
+        names = ["--" + _dest(f, how).replace("_", "-")] + ([how.short] if how.short else [])
+        options: dict[str, Any] = {"default": default, "help": how.help or None, "dest": _dest(f, how)}
+        if how.metavar:
+            options["metavar"] = how.metavar
+        if kind is bool:
+            target.add_argument(*names, action=argparse.BooleanOptionalAction, **options)
+        else:
+            target.add_argument(*names, type=kind, choices=list(how.choices) if how.choices else None, **options)
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
+def engine_dests(sections: Sequence[type] = ENGINE_SECTIONS) -> tuple[str, ...]:
+    """The options' names (the model's excepted), as engine_kwargs returns them."""
+    return tuple(_dest(f, how) for f, how in engine_flags(sections) if not how.positional)
+
+
+ENGINE_DESTS = engine_dests()
+
+
+def engine_kwargs(args: argparse.Namespace, sections: Sequence[type] = ENGINE_SECTIONS) -> dict:
+    """The engine options of args (parsed by a parser add_engine_args built), by name."""
+    return {dest: getattr(args, dest) for dest in engine_dests(sections)}
+
+
+def engine_argv(args: argparse.Namespace, sections: Sequence[type] = ENGINE_SECTIONS) -> list[str]:
     """The engine flags of args, as a command line (for workers started from this process)."""
     argv = [args.model] if args.model else []
-    for key, value in engine_kwargs(args).items():
+    for key, value in engine_kwargs(args, sections).items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else f"--no-{flag[2:]}")
@@ -88,16 +85,28 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _engine_dests() -> tuple[str, ...]:
-    """The attribute names add_engine_args declares (the model's excepted): the one list of engine options."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_args(p)
-    return tuple(a.dest for a in p._actions if a.dest != "model")
+def flag_table(sections: Sequence[type] = ENGINE_SECTIONS) -> str:
+    """The engine flags as docs/serving.md lists them (a Markdown table; tests/test_engine_args.py checks
+    the page holds this one)."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for f, how in engine_flags(sections):
+        if how.positional:
+            name, default = f"`{f.name.upper()}`", "SmolLM2-135M-Instruct"
+        else:
+            name = "`--" + _dest(f, how).replace("_", "-") + "`" + (f" (`{how.short}`)" if how.short else "")
+            default = how.unset if how.unset is not None else \
+                ("on" if f.default else "off") if isinstance(f.default, bool) else f"`{f.default}`"
+        meaning = how.help + (f" ({', '.join(how.choices)})" if how.choices else "")
+        rows.append(f"| {name} | {default} | {meaning.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
 
 
-ENGINE_DESTS = _engine_dests()
+TABLE_START = "<!-- engine flags: generated from the settings' declarations by scripts/flag_table.py -->"
+TABLE_END = "<!-- end of the engine flags -->"
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine options of args (parsed by a parser add_engine_args built), by name."""
-    return {dest: getattr(args, dest) for dest in ENGINE_DESTS}
+def with_flag_table(page: str, sections: Sequence[type] = ENGINE_SECTIONS) -> str:
+    """The page with the table between its markers made from the declarations."""
+    head, rest = page.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_START}\n{flag_table(sections)}{TABLE_END}{tail}"
