@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.speed import StepSpeed
 from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission, predict_wait
 from tandem.policy.deadlines import EngineShape, Flights
-from tandem.serve.async_engine import EngineClient
 from tandem.slo import DEFAULT_SLO
 
 # 10 ms a pass plus 0.1 ms a prompt token; a decode row 0.5 ms beyond the pass (as test_deadlines).

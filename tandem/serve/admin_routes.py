@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import tandem
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.serve import cluster_view
 from tandem.serve.app_state import Started, TextSide
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.error_shape import error_body
 from tandem.serve.errors import APIError, bad_request, request_id
 from tandem.serve.prepare import chat_ids, check_model, need_text

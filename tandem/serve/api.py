@@ -16,10 +16,10 @@ from fastapi import FastAPI
 
 import tandem
 from tandem.config import EngineConfig
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.serve.admin_routes import AdminState, TokenizerState, admin_router, tokenizer_router
 from tandem.serve.api_state import APIState
 from tandem.serve.app_state import Live, Started, TextSide
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers, key_salts
 from tandem.serve.dashboard import mount_dashboard
 from tandem.serve.error_shape import ERROR_RESPONSES

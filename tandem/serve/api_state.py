@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.serve.app_state import Started, TextSide
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Callers
 from tandem.serve.prepare import GrammarCheck
 from tandem.serve.unknown_fields import UnknownFields

@@ -9,11 +9,11 @@ from typing import Protocol
 
 from fastapi import Request
 
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.policy.admission import AdmissionSettings, Deadlines, Rejection, check_admission
 from tandem.policy.refusal_streaks import RefusalStreaks
 from tandem.sampling_params import SamplingParams
 from tandem.serve.app_state import Started
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.errors import APIError
 from tandem.serve.settings import ServerSettings
 from tandem.slo import Slo

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tandem.serve.async_engine import EngineDeadError, EngineRequestError
+from tandem.disagg.router.engine_client import EngineDeadError, EngineRequestError
 from tandem.serve.error_shape import error_body
 
 log = logging.getLogger("tandem.serve.api")

@@ -10,12 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.serve.live_stats import LiveStats
 from tandem.serve.store_metrics import StoreMetrics
-from tandem.slo import Slo
+from tandem.slo import LATENCY_BUCKETS, Slo
 
 disable_created_metrics()  # as vLLM does: the *_created series only add noise
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0)
 PREDICTION_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 

@@ -7,10 +7,10 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.engine.grammars import Grammars
 from tandem.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from tandem.serve.app_state import Live, TextSide
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Admission, Call
 from tandem.serve.errors import APIError, bad_request
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from tandem.disagg.router.engine_client import EngineClient
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.serve.async_engine import EngineClient
 from tandem.serve.calls import Call
 from tandem.serve.error_shape import error_body
 from tandem.serve.errors import APIError

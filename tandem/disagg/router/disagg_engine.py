@@ -29,6 +29,7 @@ from tandem.disagg.fleet.launcher import Launcher
 from tandem.disagg.fleet.owner import WorkerFleet
 from tandem.disagg.fleet.restarts import Restarter
 from tandem.disagg.router.dispatch import Dispatcher
+from tandem.disagg.router.engine_client import EngineClient, EngineDeadError, EngineRequestError
 from tandem.disagg.router.flight import Flight, WorkerLost
 from tandem.disagg.router.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
 from tandem.disagg.router.migration import Migrator
@@ -47,7 +48,6 @@ from tandem.policy.deadlines import EngineShape
 from tandem.policy.planner import PlannerSettings
 from tandem.policy.prediction import Predictor
 from tandem.policy.routing import Router, RoutingSettings
-from tandem.serve.async_engine import EngineClient, EngineDeadError, EngineRequestError
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from tandem.disagg.router.engine_client import EngineDeadError
 from tandem.disagg.router.flight import (
     Flight,
     Phase,
@@ -53,7 +54,6 @@ from tandem.engine.messages import AbortRequests, AddRequests
 from tandem.kv.hashing import block_keys
 from tandem.policy.paths import PathOption, Slo, choose, predict_disaggregated, predict_local, predict_prefill_free
 from tandem.policy.routing import Pick, Router
-from tandem.serve.async_engine import EngineDeadError
 
 log = logging.getLogger(__name__)
 

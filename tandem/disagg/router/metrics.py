@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem.disagg.router.registry import WorkerHandle
 from tandem.disagg.router.settings import RouterCounters
-from tandem.serve.metrics import LATENCY_BUCKETS
+from tandem.slo import LATENCY_BUCKETS
 
 
 class MetricsSink(Protocol):
-    """Where the router's series go: the server's metrics (tandem.serve.metrics.ServerMetrics) has this face."""
+    """Where the router's series go: the server's metrics (serve/metrics.py's ServerMetrics) have this face."""
 
     @property
     def registry(self) -> CollectorRegistry: ...
