@@ -47,16 +47,13 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()  # the model's end tokens (LoadedModel.end_token_ids)
+    # The request as it arrived, named and meant as EngineCoreRequest's fields (core_request.py).
+    eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0  # vLLM's meaning: lower is served (and kept from preemption) first
-    # Who the request belongs to (an API key's id, or a header the operator names) and its share of
-    # the prompt-token budget against other tenants with work.
+    priority: int = 0
     tenant: str | None = None
     tenant_weight: float = 1.0
-    # A stored conversation's handle: when the request finishes, its blocks stay cached under it until
-    # released (ReleaseKV), so that the conversation's next turn finds its whole history cached.
     retain_kv_as: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING

@@ -37,19 +37,6 @@ class RoutedWorker(Protocol):
 W = TypeVar("W", bound=RoutedWorker)
 
 
-class RoutedWorker(Protocol):
-    """What routing reads of a worker (the router's registry entries and the simulator's instances)."""
-
-    @property
-    def worker_id(self) -> str: ...
-
-    @property
-    def load(self) -> float: ...
-
-
-W = TypeVar("W", bound=RoutedWorker)
-
-
 @dataclass
 class RoutingSettings:
     policy: str = "kv"
