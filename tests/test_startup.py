@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from server_utils import children, free_port, torch_mapped, web
+from server_utils import children, cmdline, free_port, torch_mapped, web
 
 from tandem.cli import build_parser
 from tandem.logs import JsonFormatter
@@ -72,6 +72,12 @@ def test_serve_reports_its_progress_and_where_it_serves() -> None:
             assert web.post(chat, json=body, timeout=60).status_code == 200
         assert not torch_mapped(proc.pid)
         assert [pid for pid in children(proc.pid) if torch_mapped(pid)]
+        # The tree docs/architecture.md draws: one engine core beside multiprocessing's resource tracker, and
+        # no process of the core's own (no worker group's followers without -tp).
+        kids = {pid: cmdline(pid) for pid in children(proc.pid)}
+        cores = [pid for pid, line in kids.items() if b"spawn_main" in line]
+        assert len(cores) == 1 and all(b"spawn_main" in line or b"resource_tracker" in line for line in kids.values())
+        assert torch_mapped(cores[0]) and children(cores[0]) == []
     finally:
         proc.terminate()
         proc.wait(60)
