@@ -1,6 +1,6 @@
 """What admission weighs a request against, as the server's side of an engine sees it: the requests in
 flight (Load), the engine's measured step shape, and which prompt blocks the engine likely caches.
-EngineClient (async_engine.py) takes these from here; a cluster's router overrides cached_blocks."""
+EngineClient (engine_client.py) builds on these; the router (disagg_engine.py) overrides cached_blocks."""
 
 from __future__ import annotations
 
