@@ -99,6 +99,7 @@ class EngineService:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
+        self._report([])  # at once: whoever waits for it to start learns its pool before any step
         while not self.stopping:
             busy = self.core.has_unfinished()
             for msg in self.receive(0.0 if busy else PENDING_POLL_S if self.pending() else HEARTBEAT_S):

@@ -98,6 +98,8 @@ class AsyncEngine(EngineClient):
                 msg = await self._pull.recv_pyobj()
                 if isinstance(msg, Ready):
                     self.info = msg.info
+                elif isinstance(msg, StepOutputs) and self.info is not None:
+                    self._set_stats(msg.stats)  # its first report, right after Ready: up, with its pool known
                     break
                 if isinstance(msg, StartupFailed):
                     raise RuntimeError(f"engine core failed to start: {msg.reason}")
