@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,9 @@ import torch
 from tiny_served_model import tiny_served_model
 
 import tandem.engine.core as core_module
+from tandem.config import SpeculativeConfig
 from tandem.engine import step_time_cache
+from tandem.engine.spec_profile import speed_passes
 
 
 @pytest.fixture
@@ -60,17 +62,27 @@ def test_what_sets_a_steps_time_is_in_the_key(make_llm, monkeypatch: pytest.Monk
     core = make_llm(model=str(tiny_served_model()), dtype="float32", kv_cache_memory=0.0625).engine.core
     config = core.config
 
-    def key(cfg=config, fingerprint: int = 1, num_blocks: int = 64, max_model_len: int = 512) -> str:  # noqa: ANN001
-        return step_time_cache.profile_key("step-speed", cfg, fingerprint, num_blocks, max_model_len)
+    def key(cfg=config, fingerprint: int = 1, num_blocks: int = 4096, max_model_len: int = 512) -> str:  # noqa: ANN001
+        sc = cfg.scheduler
+        passes = speed_passes(sc.max_num_batched_tokens, sc.max_num_seqs, num_blocks, max_model_len,
+                              cfg.cache.block_size)
+        return step_time_cache.profile_key("step-speed", cfg, fingerprint, asdict(passes))
 
     base = key()
     assert key() == base
+    # What no timed pass depends on reuses the profile: a pool larger than the largest decode batch
+    # needs, a scheduling policy, speculation (its own profile is another kind).
+    assert key(num_blocks=8192) == base
+    assert key(replace(config, scheduler=replace(config.scheduler, long_prefill_token_threshold=64,
+                                                 contended_prefill_chunk=32))) == base
+    assert key(replace(config, speculative=SpeculativeConfig())) == base
     others = [
-        key(fingerprint=2), key(num_blocks=65), key(max_model_len=256),
+        key(fingerprint=2), key(num_blocks=64), key(max_model_len=256),
         key(replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=64))),
+        key(replace(config, scheduler=replace(config.scheduler, max_num_seqs=4))),
         key(replace(config, model=replace(config.model, dtype="bfloat16"))),
         key(replace(config, cache=replace(config.cache, kv_cache_dtype="int8"))),
-        step_time_cache.profile_key("spec-step-cost", config, 1, 64, 512),
+        step_time_cache.profile_key("spec-step-cost", config, 1, {"counts": [1, 2]}),
     ]
     threads = torch.get_num_threads()
     try:

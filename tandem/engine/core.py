@@ -25,7 +25,7 @@ from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts
+from tandem.engine.spec_profile import profile_speed, profile_step_cost, profiled_counts, speed_passes
 from tandem.engine.speed import SpeedTracker, StepSpeed
 from tandem.engine.step import SchedulerOutput, SchedulerStats
 from tandem.engine.step_meter import StepMeter
@@ -115,7 +115,7 @@ class EngineCore:
             counts = profiled_counts(spec.num_speculative_tokens,
                                      min(config.scheduler.max_num_batched_tokens, self.max_model_len))
             cost, _ = step_time_cache.measured(
-                self._profile_key("spec-step-cost"), lambda: profile_step_cost(self.runner, counts),
+                self._profile_key("spec-step-cost", {"counts": counts}), lambda: profile_step_cost(self.runner, counts),
                 lambda c: {"tokens": c.tokens.tolist(), "seconds": c.seconds.tolist()},
                 lambda d: StepCost(np.asarray(d["tokens"], dtype=np.float64), np.asarray(d["seconds"],
                                                                                          dtype=np.float64)))
@@ -127,10 +127,10 @@ class EngineCore:
     def profile_speed(self) -> StepSpeed:
         """Time this engine's steps (a second or two), so that a server can predict its deadlines."""
         sc = self.config.scheduler
+        passes = speed_passes(sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks, self.max_model_len,
+                              self.runner.block_size)
         speed, stored = step_time_cache.measured(
-            self._profile_key("step-speed"),
-            lambda: profile_speed(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks,
-                                  self.max_model_len),
+            self._profile_key("step-speed", asdict(passes)), lambda: profile_speed(self.runner, passes),
             asdict, lambda d: StepSpeed(*(tuple(d[f]) for f in ("prompt_tokens", "prompt_s", "decode_rows",
                                                                  "decode_s"))))
         if stored:
@@ -140,9 +140,8 @@ class EngineCore:
                      speed.describe())
         return speed
 
-    def _profile_key(self, kind: str) -> str:
-        return step_time_cache.profile_key(kind, self.config, self.block_key_extra[0], self.num_blocks,
-                                           self.max_model_len)
+    def _profile_key(self, kind: str, measured: dict) -> str:
+        return step_time_cache.profile_key(kind, self.config, self.block_key_extra[0], measured)
 
     @property
     def num_blocks(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,19 +57,35 @@ def _ladder(top: int, points: tuple[int, ...]) -> list[int]:
     return sorted({n for n in points if n < top} | {top})
 
 
-def profile_speed(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int, num_blocks: int,
-                  max_model_len: int) -> StepSpeed:
-    """Time prompt passes up to the step budget and decode batches up to max_num_seqs (as many as
-    the pool holds at PROFILE_CONTEXT), on throwaway requests whose KV goes to the pool's first
-    blocks: nothing is cached there yet at start-up, and any request writes its blocks before it
-    reads them."""
+@dataclass(frozen=True)
+class SpeedPasses:
+    """What profile_speed times: prompt passes up to `budget` tokens, and decode batches of up to `top`
+    rows, each reading `context` tokens (the step-time cache keys a profile by it)."""
+
+    budget: int
+    top: int
+    context: int
+
+
+def speed_passes(max_num_batched_tokens: int, max_num_seqs: int, num_blocks: int, max_model_len: int,
+                 block_size: int) -> SpeedPasses:
+    """The passes for an engine's settings: decode batches only as large as the pool holds at
+    PROFILE_CONTEXT."""
     budget = min(max_num_batched_tokens, max_model_len)
+    context = min(PROFILE_CONTEXT, max_model_len - 1)
+    per_row = -(-(context + 1) // block_size)
+    return SpeedPasses(budget, max(1, min(max_num_seqs, budget, num_blocks // per_row)), context)
+
+
+def profile_speed(runner: ModelRunner, passes: SpeedPasses) -> StepSpeed:
+    """Time prompt passes up to the step budget and decode batches up to the passes' top, on throwaway
+    requests whose KV goes to the pool's first blocks: nothing is cached there yet at start-up, and
+    any request writes its blocks before it reads them."""
+    budget, top, context = passes.budget, passes.top, passes.context
     profile_step_cost(runner, [1, 16])  # warm-up: first passes create kernels and touch pages
     tokens, prompt_s = _climb(_ladder(budget, (1, 16, 64, 256)),
                               lambda n: float(profile_step_cost(runner, [n], repeats=1).seconds[0]))
-    context = min(PROFILE_CONTEXT, max_model_len - 1)
     per_row = -(-(context + 1) // runner.block_size)
-    top = max(1, min(max_num_seqs, budget, num_blocks // per_row))
     params = SamplingParams(temperature=0.0, max_tokens=1)
 
     def decode_pass(b: int) -> float:

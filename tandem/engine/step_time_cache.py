@@ -3,11 +3,11 @@
 Timing the engine's steps (spec_profile.py) costs a server 2-5 s at every start on two cores, and
 more on a slow one, for numbers that only change when something they depend on changes. A profile is
 kept under the cache directory, keyed by everything that sets a step's time: the model's weights
-(its fingerprint) and dtype, the engine's settings, the threads, the kernels' build (which names the
-CPU's features) and the CPU model. A server that restarts with the same key reads it back. What the
-key cannot see (another process now sharing the cores) is what the live correction factor already
-follows (speed.py SpeedTracker), so an entry older than MAX_AGE_S is measured again rather than
-trusted for ever. Deleting the directory forces a new measurement.
+(its fingerprint) and dtype, the KV layout, the passes the profile times, the threads, the kernels'
+build (which names the CPU's features) and the CPU model. A server that restarts with the same key
+reads it back. What the key cannot see (another process now sharing the cores) is what the live
+correction factor already follows (speed.py SpeedTracker), so an entry older than MAX_AGE_S is
+measured again rather than trusted for ever. Deleting the directory forces a new measurement.
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ def code_stamp(root: Path = PACKAGE_ROOT) -> str:
     return h.hexdigest()[:16]
 
 
-def profile_key(kind: str, config: EngineConfig, fingerprint: int, num_blocks: int, max_model_len: int) -> str:
-    """The key of one profile kind for this engine (fingerprint: its weights', model/fingerprint.py)."""
+def profile_key(kind: str, config: EngineConfig, fingerprint: int, measured: dict) -> str:
+    """The key of one profile kind for this engine (fingerprint: its weights', model/fingerprint.py).
+    measured: what the profile times (its passes' sizes), derived from the settings it reads, so that
+    a setting that changes no pass it times (the pool beyond the largest decode batch, a scheduling
+    policy) reuses the profile rather than costing a start a new one."""
     parts = {
         "kind": kind, "code": code_stamp(), "torch": torch.__version__, "fingerprint": fingerprint,
         "model": [str(config.model.torch_dtype), config.model.quantization, config.model.deterministic],
-        "cache": [config.cache.block_size, config.cache.kv_cache_dtype, num_blocks, max_model_len],
-        "scheduler": repr(config.scheduler), "parallel": repr(config.parallel),
-        "speculative": repr(config.speculative), "threads": torch.get_num_threads(),
+        "cache": [config.cache.block_size, config.cache.kv_cache_dtype], "measured": measured,
+        "parallel": repr(config.parallel), "threads": torch.get_num_threads(),
         "kernels": "off" if kernels_disabled() else build_dir().name, "cpu": cpu_model_name(),
         "env": {k: os.environ.get(k) for k in _KEYED_ENV},
     }
