@@ -70,11 +70,13 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) 
         assert run_all(s, texts, max_tokens=12) == expected  # whichever worker serves them
         assert metric(s, "router_routed", path="colocated") == 5
         # The holder restarts with an empty pool: the router must not credit it with the document.
-        os.kill(worker_pid(s, holder), signal.SIGKILL)
+        killed = worker_pid(s, holder)
+        os.kill(killed, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while metric(s, "router_worker_restarts") < 1 or web.get(f"{s.url}/health").json()["status"] != "ok":
+        while not rejoined(s, holder, killed):
             assert time.monotonic() < deadline, "the worker did not come back"
             time.sleep(0.5)
+        assert metric(s, "router_worker_restarts") == 1
         others = [w for w in first if w != holder]
         before = routed(s)
         # Whoever gets it now, the restarted worker is not credited with the document.
@@ -84,6 +86,12 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) 
         assert sum(after[w][1] for w in [holder, *others]) > 0
         wait_blocks_free(s)
         stored_conversation_through_the_router(s, doc)
+
+
+def rejoined(s: Server, worker_id: str, old_pid: int) -> bool:
+    """The worker is up again in a new process, and has joined the router (started is not enough)."""
+    view = web.get(f"{s.url}/v1/cluster", timeout=10).json()
+    return any(w["id"] == worker_id and w["state"] == "up" and w["pid"] != old_pid for w in view["workers"])
 
 
 def stored_conversation_through_the_router(s: Server, doc: str) -> None:

@@ -94,10 +94,13 @@ class WorkerFleet:
         for p in self._started:
             p.kill()
 
-    async def wait_all(self, timeout: float) -> None:
-        """Each process gets timeout seconds to exit (they were asked to), then is killed."""
+    async def wait_all(self, timeout: float, told: set[int]) -> None:
+        """The processes asked to stop (told: their pids) get timeout seconds each to exit, then are
+        killed; any other still running (one starting, never registered) is killed at once."""
         loop = asyncio.get_running_loop()
         for p in self._started:
+            if p.pid not in told and p.poll() is None:
+                p.kill()
             try:
                 await loop.run_in_executor(None, p.wait, timeout)
             except subprocess.TimeoutExpired:

@@ -79,6 +79,10 @@ class DisaggEngine(EngineClient):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker raises, not drops
+        # A worker started again connects with its old identity (its id), and the dead one's connection
+        # may not have closed yet (a remote host that died sends no FIN): without handover ZeroMQ would
+        # drop every message of the new one until then.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         secure.server(self._sock, settings.secret, settings.bind, wire.MAX_CONTROL_FRAME)
         self._channel = wire.Channel(settings.secret)
         self._tasks: list[asyncio.Task] = []
@@ -148,11 +152,12 @@ class DisaggEngine(EngineClient):
         self.restarter.stop()
         for rid in list(self.streams):
             self._fail(rid, EngineDeadError("server shutting down"))
-        for w in self.registry.live():
-            await self._send(w, Shutdown())
+        told = [w for w in self.registry.live() if await self._send(w, Shutdown())]
         for task in self._tasks:
             task.cancel()
-        await self.fleet.wait_all(10)
+        # A process still starting (a worker started again, not yet joined) was told nothing, and holds
+        # no request: it goes at once rather than after the others' grace period.
+        await self.fleet.wait_all(10, told={w.info.pid for w in told if w.local})
         if self.store is not None:
             self.store.close()
         secure.release(self._sock)
