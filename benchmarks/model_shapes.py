@@ -7,6 +7,9 @@ llama.cpp's own tools: for speed at size (issues #46, #47). Random weights say n
 Shapes (the real vocabulary sizes: SmolLM2's tokenizer, which llama.cpp's converter pads to the config's size):
   1b           Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied, vocab 128,256
   3b           Llama-3.2-3B: hidden 3072, 28 layers, 24 heads, 8 KV heads, MLP 8192, tied, vocab 128,256
+  8b           Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, untied, vocab 128,256
+               (written layer by layer, converted to Q8_0 rather than bf16, then requantized: a bf16 copy
+               would need 16 GB more disk; the types llama-quantize picks per tensor are the same)
   phi-4-mini   Phi-4-mini: hidden 3072, 32 layers, 24 heads, 8 KV heads, MLP 8192, tied, vocab 200,064,
                96 of 128 dimensions rotated, longrope (original context 4,096 of 131,072)
   smollm3-3b   SmolLM3-3B: hidden 2048, 36 layers, 16 heads, 4 KV heads, MLP 11008, tied, vocab 128,256,
@@ -27,6 +30,7 @@ Prints the paths.
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import subprocess
 import sys
@@ -43,6 +47,8 @@ LLAMA3 = dict(architecture="LlamaForCausalLM", vocab_size=128256, rope_theta=500
 SHAPES = {
     "1b": dict(LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32),
     "3b": dict(LLAMA3, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24),
+    "8b": dict(LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336,
+               tie_word_embeddings=False),
     "phi-4-mini": dict(architecture="Phi3ForCausalLM", vocab_size=200064, hidden_size=3072, num_hidden_layers=32,
                        num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192, rms_norm_eps=1e-5,
                        max_position_embeddings=131072, original_max_position_embeddings=4096,
@@ -61,7 +67,9 @@ GPT_OSS_20B = dict(architecture="GptOssForCausalLM", vocab_size=201088, hidden_s
                    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                    num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
-NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "phi-4-mini": "phi-4-mini", "smollm3-3b": "smollm3-3b",
+LAYER_BY_LAYER = ("8b",)  # written tensor by tensor, converted to Q8_0 (see the docstring)
+NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b", "phi-4-mini": "phi-4-mini",
+         "smollm3-3b": "smollm3-3b",
          "qwen2.5-1.5b": "qwen2.5-1.5b", "gpt-oss-20b": "gpt-oss-20b"}
 
 
@@ -128,6 +136,58 @@ def gpt_oss_directory(out: Path) -> Path:
     return out
 
 
+def llama_directory(shape: str, out: Path) -> Path:
+    """A Llama checkpoint (seeded normal weights, std 0.02, bfloat16) written layer by layer, as
+    gpt_oss_directory is: an 8B model never exists whole in this process's memory."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    if (out / "config.json").exists():
+        return out
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    spec = {k: v for k, v in SHAPES[shape].items() if k != "architecture"}
+    cfg = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **spec)
+    staging = out.with_suffix(".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    d = h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def normal(*dims: int) -> torch.Tensor:
+        return (torch.randn(dims, generator=gen) * 0.02).to(torch.bfloat16)
+
+    ones = functools.partial(torch.ones, h, dtype=torch.bfloat16)
+    index: dict[str, str] = {}
+    count = cfg.num_hidden_layers + 1
+
+    def write(n: int, shard: dict[str, torch.Tensor]) -> None:
+        file = f"model-{n:05d}-of-{count:05d}.safetensors"
+        save_file(shard, staging / file, metadata={"format": "pt"})
+        index.update({name: file for name in shard})
+
+    head = {"model.embed_tokens.weight": normal(cfg.vocab_size, h), "model.norm.weight": ones()}
+    if not cfg.tie_word_embeddings:
+        head["lm_head.weight"] = normal(cfg.vocab_size, h)
+    write(0, head)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        write(i + 1, {f"{pre}input_layernorm.weight": ones(), f"{pre}post_attention_layernorm.weight": ones(),
+                      f"{pre}self_attn.q_proj.weight": normal(q, h), f"{pre}self_attn.k_proj.weight": normal(kv, h),
+                      f"{pre}self_attn.v_proj.weight": normal(kv, h), f"{pre}self_attn.o_proj.weight": normal(h, q),
+                      f"{pre}mlp.gate_proj.weight": normal(inter, h), f"{pre}mlp.up_proj.weight": normal(inter, h),
+                      f"{pre}mlp.down_proj.weight": normal(h, inter)})
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (staging / "config.json").write_text(json.dumps(cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]}))
+    tokenizer.save_pretrained(staging)
+    staging.rename(out)
+    return out
+
+
 def hf_directory(shape: str, out: Path) -> Path:
     import json
 
@@ -135,6 +195,8 @@ def hf_directory(shape: str, out: Path) -> Path:
 
     if (out / "config.json").exists():
         return out
+    if shape in LAYER_BY_LAYER:
+        return llama_directory(shape, out)
     tokenizer = load_gguf_tokenizer(default_model_path())
     spec = dict(SHAPES[shape])
     arch = spec.pop("architecture")
@@ -182,15 +244,18 @@ def gguf_file(shape: str, qtype: str, llama_cpp: Path) -> Path:
                         "--outfile", str(out.with_suffix(".partial"))], check=True)
         out.with_suffix(".partial").rename(out)
         return out
-    bf16 = models / f"{NAMES[shape]}-shape-BF16.gguf"
-    if not bf16.exists():
+    # The converter's file: bf16, or Q8_0 for the shapes too large for a bf16 copy on a small disk.
+    source_type = "Q8_0" if shape in LAYER_BY_LAYER else "BF16"
+    source = models / f"{NAMES[shape]}-shape-{source_type}.gguf"
+    if not source.exists():
         hf = hf_directory(shape, models / f"{NAMES[shape]}-shape-hf")
-        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
-                        "--outfile", str(bf16)], check=True)
-    if qtype == "BF16":
-        return bf16
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype",
+                        source_type.lower(), "--outfile", str(source)], check=True)
+    if qtype == source_type:
+        return source
     quantize = next(p for p in (llama_cpp / "build" / "bin" / "llama-quantize",) if p.exists())
-    subprocess.run([str(quantize), str(bf16), str(out.with_suffix(".partial")), qtype], check=True)
+    subprocess.run([str(quantize), *(["--allow-requantize"] if source_type != "BF16" else []), str(source),
+                    str(out.with_suffix(".partial")), qtype], check=True)
     out.with_suffix(".partial").rename(out)
     return out
 
