@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
+import zmq
 from cluster_utils import TINY, metric, metric_or_zero, run_all, settled, wait_blocks_free, worker_pid
-from server_utils import Server, running_server, web
+from server_utils import Server, free_port, running_server, web
 
 from tandem import SamplingParams
+from tandem.engine.messages import KVEvents
 from tandem.sim.cost import DEFAULT_KNOTS, FittedCost, TransferFit
 
 pytestmark = pytest.mark.slow
@@ -57,10 +61,21 @@ def test_shared_prefixes_go_where_they_are_cached(passages: list[str], offline) 
     texts = [doc + " Summarise it.", doc + " Name its main topic.", "Hello there"]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in offline.generate(texts, greedy)]
-    with running_server(*ARGS) as s:
+    events_port = free_port()
+    with running_server(*ARGS, "--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}") as s:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{events_port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # the subscription reaches the router
         assert run_all(s, texts[:1], max_tokens=12) == expected[:1]
         first = routed(s)
         holder = max(first, key=lambda w: first[w][1])
+        # The router publishes its workers' prefix-cache events again, each batch naming its worker.
+        assert sub.poll(5000), "the router published no KV events"
+        published = sub.recv_pyobj()
+        sub.close(linger=0)
+        assert isinstance(published, KVEvents) and published.worker_id == holder
+        assert any(type(e).__name__ == "BlockStored" for e in published.events)
         time.sleep(0.5)  # its KV events reach the router
         assert run_all(s, texts[1:2], max_tokens=12) == expected[1:2]
         second = delta(routed(s), first)
@@ -173,7 +188,10 @@ def test_the_planner_predicts_that_a_decode_worker_wins_and_turns_a_colocated_wo
 
 def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death(passages: list[str]) -> None:
     """One prompt chunk of ~1,800 tokens takes seconds on one core: the worker's heartbeat thread keeps
-    the router from declaring it dead meanwhile. (~900 tokens took only 2.4 s on an AVX512 EPYC.)"""
+    the router from declaring it dead meanwhile. (~900 tokens took only 2.4 s on an AVX512 EPYC.)
+    Then the lone worker is killed while such a prompt waits for its first token: new requests get
+    503 and /health is unhealthy until it is back, and the waiting request is not failed but runs on
+    the worker started again (as the single server's core restart does)."""
     args = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "2048", "--workers", "1",
             "--worker-heartbeat-timeout", "2")
     text = (" ".join(passages) + " ") * 2  # ~1,800 tokens: one chunk of the 2,048-token budget
@@ -183,3 +201,23 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death(passages: list[
         assert reason == "length"
         assert time.monotonic() - t0 > 2.5, "the step was too short to test anything; use a longer prompt"
         assert metric(s, "router_worker_deaths") == 0
+
+        waiting: dict[str, httpx.Response] = {}
+        other = (" ".join(passages[::-1]) + " ") * 2  # not cached: seconds of prefill still to come
+        thread = threading.Thread(target=lambda: waiting.update(r=web.post(
+            f"{s.url}/v1/completions", json={"prompt": other, "max_tokens": 2, "ignore_eos": True}, timeout=240)))
+        thread.start()
+        time.sleep(0.5)
+        killed = worker_pid(s, "colocated-0")
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while web.get(f"{s.url}/health").status_code == 200:
+            assert time.monotonic() < deadline, "the router did not notice its only worker died"
+            time.sleep(0.1)
+        refused = web.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=10)
+        assert refused.status_code == 503 and "error" in refused.json()
+        thread.join(240)
+        assert waiting["r"].status_code == 200, waiting["r"].text
+        assert waiting["r"].json()["choices"][0]["finish_reason"] == "length"
+        assert rejoined(s, "colocated-0", killed) and metric(s, "router_worker_deaths") == 1
+        assert metric(s, "router_worker_restarts") == 1

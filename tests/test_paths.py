@@ -15,6 +15,7 @@ from tandem.disagg.worker.messages import WorkerInfo, WorkerStats
 from tandem.disagg.worker.transport import TransferStats
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.core_request import EngineCoreRequest
+from tandem.engine.speed import StepSpeed
 from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission
 from tandem.policy.deadlines import Flights, predict_ttft
 from tandem.policy.latency import PRIOR_PREFILL_TOK_S, WorkerRates
@@ -188,3 +189,30 @@ def test_admission_on_a_router_predicts_with_the_fleet_as_one_engine() -> None:
     refused = check(1.0)
     assert refused is not None and "cannot start within its timeout" in refused.message
     assert check(30.0) is None
+
+
+def test_a_lone_profiled_worker_is_predicted_from_its_step_times_as_the_single_server_is() -> None:
+    """A cluster of one worker is that engine: admission predicts from the step profile it registered
+    with, moved by its reports (the single server's EngineShape), not from rates it has not measured;
+    a second worker makes it a fleet again (measured rates)."""
+    profiled = StepSpeed((1, 256), (0.01, 0.5), (1, 8), (0.02, 0.04))
+    c = Cluster("colocated")
+    w = c.workers["colocated-0"]
+    w.info = replace(w.info, core=replace(w.info.core, speed=profiled, max_num_seqs=16))
+    shape = c.registry.shape(budget=256, contended_chunk=64)
+    assert shape is not None and shape.speed == profiled and (shape.factor, shape.budget) == (1.0, 256)
+    assert (shape.seats, shape.contended_chunk) == (16, 64)
+    # Its engine moved the profile (live steps ran slower): its report's speed is what is predicted from.
+    moved = StepSpeed((1, 256), (0.02, 1.0), (1, 8), (0.04, 0.08))
+    report = stats()
+    c.registry.report(w, replace(report, core=replace(report.core, speed=moved)))
+    assert c.registry.shape(budget=256, contended_chunk=64).speed == moved  # type: ignore[union-attr]
+    one_step = sum(c.registry.shape(256, 64).speed.parts(1, 0))  # type: ignore[union-attr]
+    assert one_step == 0.04
+
+    two = Cluster("colocated", "colocated")
+    for wid, worker in two.workers.items():
+        worker.info = replace(worker.info, core=replace(worker.info.core, speed=profiled))
+        two.speed(wid, 2000, 0.05)
+    fleet = two.registry.shape(budget=256, contended_chunk=64)
+    assert fleet is not None and not isinstance(fleet.speed, StepSpeed)

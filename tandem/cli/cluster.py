@@ -25,6 +25,9 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
     launch = None
     num_local = args.prefill_workers + args.decode_workers + args.workers
     role_argv = {"prefill": shlex.split(args.prefill_worker_args), "decode": shlex.split(args.decode_worker_args)}
+    # A lone worker is the deployment's one engine: admission predicts from its step times, as the
+    # single server's (several are predicted from their measured rates: not timed).
+    worker_argv = [*engine_argv(args), *(["--profile-speed"] if num_local == 1 and args.admission != "off" else [])]
     bind = args.router_bind or "tcp://127.0.0.1:0"
     if args.ray:
         from tandem.disagg.fleet.ray_launcher import connect, ray_launcher
@@ -37,10 +40,10 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
         bind = args.router_bind or f"tcp://{node}:0"
         loopback = bind.startswith(("tcp://127.", "tcp://localhost"))
         launch = ray_launcher(args.prefill_workers, args.decode_workers, args.workers, args.ray_worker_cpus,
-                              engine_argv(args), role_argv, secret, args.log_level.upper(),
+                              worker_argv, role_argv, secret, args.log_level.upper(),
                               "127.0.0.1" if loopback else None)
     elif num_local:
-        launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, engine_argv(args),
+        launch = local_launcher(args.prefill_workers, args.decode_workers, args.worker_cores, worker_argv,
                                 role_argv, args.kv_transport, secret, args.log_level.upper(), args.workers)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     routing = RoutingSettings(args.routing_policy, args.routing_overlap_weight, args.routing_temperature,
@@ -51,7 +54,8 @@ def disaggregated_engine(args: argparse.Namespace, config: EngineConfig, tokeniz
     predictor = (planner_predictor(args.planner_profile, slo, args.path_policy)
                  if planner.enabled and args.planner_profile else None)
     settings = RouterSettings(bind=bind, secret=secret, expected_workers=num_local,
-                              heartbeat_timeout=args.worker_heartbeat_timeout, migrate=args.planner_migration == "on")
+                              heartbeat_timeout=args.worker_heartbeat_timeout, migrate=args.planner_migration == "on",
+                              kv_events_endpoint=args.kv_events_endpoint)
     return DisaggEngine(config, tokenizer, settings, launch=launch, routing=routing, planner=planner,
                         predictor=predictor)
 

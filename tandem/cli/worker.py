@@ -20,7 +20,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     cores = parse_cores(args.cores) if args.cores else None
     return run_worker(config, args.role, args.router, secret_from_env(), worker_id, cores, args.kv_transport,
-                      args.kv_host, args.parent_pid)
+                      args.kv_host, args.parent_pid, args.profile_speed)
 
 
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,5 +34,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
                      help="decode workers: receive KV by shared memory (same host only) or ZeroMQ/TCP")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode workers: address the KV receiver binds")
     wrk.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # exit when it exits
+    wrk.add_argument("--profile-speed", action="store_true",
+                     help="time this engine's steps at start (a second or more; kept per machine and settings), "
+                          "so that the router's admission predicts a lone worker from them")
     add_log_args(wrk)
     wrk.set_defaults(func=cmd_worker)

@@ -64,3 +64,4 @@ class RequestsFailed:
 class KVEvents:
     events: list  # BlockStored | BlockRemoved (kv/block_pool.py), in order
     seq: int = 0  # counts the batches a publisher sent: a gap means one was dropped
+    worker_id: str | None = None  # set by a router publishing its workers' events: whose pool, whose seq

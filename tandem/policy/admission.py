@@ -65,16 +65,17 @@ class AdmissionSettings:
         return self.mode != "off"
 
     def describe(self, slo: Slo, router: bool = False) -> str:
-        """What admission does, for the start-up log (router: a cluster's, which predicts from its workers'
-        measured rates as one engine, policy/latency.py fleet_shape, not from a step profile)."""
+        """What admission does, for the start-up log (router: a cluster's, which predicts a lone worker from
+        its step profile and several from their measured rates as one engine, policy/latency.py fleet_shape)."""
         if self.mode == "queue":
-            how = ("waits predicted from the workers' measured rates, the fleet as one engine" if router else
-                   "waits predicted from the engine's step times")
+            how = ("waits predicted from a lone worker's step times, or the workers' measured rates, the "
+                   "fleet as one engine" if router else "waits predicted from the engine's step times")
             return (f"queue (requests wait for the engine; 429 only for one that cannot start within its own "
                     f"timeout or {self.max_queue_delay_s:g} s (--max-queue-delay), or past "
                     f"{self.max_waiting_requests} waiting; {how}; --admission slo|off)")
         if self.mode == "slo":
-            source = "the workers' measured rates" if router else "the engine's step times"
+            source = ("a lone worker's step times or the workers' measured rates" if router else
+                      "the engine's step times")
             return (f"slo (429 unless a request is predicted to meet TTFT {slo.ttft_s * 1e3:.0f} ms and TPOT "
                     f"{slo.tpot_s * 1e3:.0f} ms without making another miss, from {source}; --slo-ttft-ms, "
                     f"--slo-tpot-ms)")

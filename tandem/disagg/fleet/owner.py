@@ -83,6 +83,11 @@ class WorkerFleet:
         codes = [p.poll() for p in self._started]
         return codes if any(c is not None for c in codes) else None
 
+    def starting(self, known_pids: set[int]) -> bool:
+        """A process of ours runs that no worker has registered from (known_pids: every worker the router
+        knows, dead ones too): one started again, on its way to join."""
+        return any(p.poll() is None and p.pid not in known_pids for p in self._started)
+
     async def wait(self, pid: int, timeout: float) -> None:
         """Until our process with this pid exits; subprocess.TimeoutExpired after timeout seconds."""
         proc = self._process(pid)

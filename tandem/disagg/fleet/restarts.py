@@ -54,6 +54,10 @@ class Restarter:
         task.add_done_callback(self._tasks.discard)
         return True
 
+    def pending(self) -> bool:
+        """A restart is scheduled and has not started the process yet."""
+        return bool(self._tasks)
+
     def stop(self) -> None:
         self._stopped = True
         for task in self._tasks:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -69,6 +70,8 @@ class DisaggEngine(EngineClient):
         self.router = Router(routing, self.registry.index, self._active_blocks)
         self.dispatch = Dispatcher(settings, self.registry, self.router, routing.slo, routing.paths, self._send,
                                    self._deliver_outputs, self.counters)
+        self.dispatch.expecting_worker = lambda: self.restarter.pending() or self.fleet.starting(
+            {w.info.pid for w in self.registry.workers.values()})
         self.migrator = Migrator(self.registry, self.flights, self.dispatch, self._fail_request)
         self.fleet = WorkerFleet(launch)
         self.planning = (PlannerLoop(planner, self.registry, self.fleet, self._send, predictor, self.flights,
@@ -87,11 +90,16 @@ class DisaggEngine(EngineClient):
         self._channel = wire.Channel(settings.secret)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._kv_pub: zmq.asyncio.Socket | None = None
+        if settings.kv_events_endpoint:
+            self._kv_pub = self._ctx.socket(zmq.PUB)
+            self._kv_pub.setsockopt(zmq.LINGER, 0)
+            self._kv_pub.bind(settings.kv_events_endpoint)
         self.restarter = Restarter(self.fleet.start, settings.restart_backoff_s, settings.max_restart_backoff_s)
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
         self._handlers: dict[type, Callable[[WorkerHandle, Any], Any]] = {
             StepOutputs: self._on_outputs,
-            KVEvents: lambda w, m: self.registry.index.apply(w.worker_id, m.events),
+            KVEvents: self._on_kv_events,
             Aborted: lambda w, m: self.dispatch.on_aborted(m.request_ids),
             RequestsFailed: self._on_failed,
             Alive: lambda w, m: None,  # its arrival is the news (last_seen)
@@ -162,6 +170,8 @@ class DisaggEngine(EngineClient):
             self.store.close()
         secure.release(self._sock)
         self._sock.close(linger=0)
+        if self._kv_pub is not None:
+            self._kv_pub.close(linger=0)
         self._ctx.term()
 
     def attach_metrics(self, metrics: MetricsSink) -> None:  # type: ignore[override]
@@ -258,6 +268,11 @@ class DisaggEngine(EngineClient):
         startup.info("worker %s joined: %s, pid %d on %s, cores %s, %d KV blocks", info.worker_id, info.role, info.pid,
                      info.host, info.cores if info.cores else "any", info.core.num_blocks,
                      extra={"event": "worker_joined", "worker": info.worker_id, "role": info.role})
+
+    async def _on_kv_events(self, worker: WorkerHandle, msg: KVEvents) -> None:
+        self.registry.index.apply(worker.worker_id, msg.events)
+        if self._kv_pub is not None:  # PUB drops when nobody listens: publishing never holds the router up
+            await self._kv_pub.send_pyobj(replace(msg, worker_id=worker.worker_id))
 
     async def _on_outputs(self, worker: WorkerHandle, msg: StepOutputs) -> None:
         self.registry.report(worker, msg.stats)
@@ -396,10 +411,11 @@ class DisaggEngine(EngineClient):
             if worker.info.kv_endpoint is not None:
                 await self._send(other, Forget(worker.info.kv_endpoint.address))
         restarting = self.restarter.schedule(worker)
-        if not self.registry.live():
-            if not restarting:
-                self.dead = f"no live workers ({reason})"
+        if not self.registry.live() and not restarting:
+            self.dead = f"no live workers ({reason})"
             for rid in list(self.streams):
-                self._fail(rid, EngineDeadError(f"no live workers ({reason})"))
+                self._fail(rid, EngineDeadError(self.dead))
+        # Else what had not streamed was routed again above, and waits for a worker to join (the one
+        # started again, when it was the last): the API answers 503 to new requests meanwhile.
         with contextlib.suppress(Exception):
             self._set_stats(self.registry.combined_stats() or self.stats)

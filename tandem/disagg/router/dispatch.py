@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[WorkerHandle, object], Awaitable[bool]]
 BIAS_ALPHA = 0.2
+WORKER_WAIT_POLL_S = 0.1
 
 
 class Dispatcher:
@@ -68,6 +69,9 @@ class Dispatcher:
         self.settings, self.registry, self.router, self.slo = settings, registry, router, slo
         self.path_policy = path_policy
         self.send, self.deliver, self.counters = send, deliver, counters
+        # Whether a worker is on its way (started again after a death, not yet joined): a request with
+        # no live worker to run on waits for it rather than failing (the router sets it).
+        self.expecting_worker: Callable[[], bool] = lambda: False
         self.info: CoreInfo | None = None  # the first worker's limits and block keying
         self.store: StoreView | None = None
         self.abort_acks: dict[str, tuple[asyncio.Future, WorkerHandle]] = {}
@@ -314,6 +318,9 @@ class Dispatcher:
         reg = self.registry
         if worker is None:
             candidates = reg.routable("colocated") or reg.routable("decode") or reg.routable() or reg.live()
+            while not candidates and self.expecting_worker():  # its own timeout bounds the wait
+                await asyncio.sleep(WORKER_WAIT_POLL_S)
+                candidates = reg.routable("colocated") or reg.routable("decode") or reg.routable() or reg.live()
             if not candidates:
                 raise EngineDeadError("no live worker to serve the request")
             worker = min(candidates, key=lambda w: (w.load, w.worker_id))

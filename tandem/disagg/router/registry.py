@@ -104,9 +104,15 @@ class WorkerRegistry:
         return self.live("decode") or self.live()
 
     def shape(self, budget: int, contended_chunk: int) -> EngineShape | None:
-        """The fleet as one engine for admission (latency.fleet_shape): prompts on the workers that are
-        not decode workers (all of them without), tokens streamed by the serving ones."""
+        """The fleet as one engine for admission. A fleet of one is that engine: its profiled step times
+        as its last report moved them (engine/speed.py), as the single server predicts. Else
+        latency.fleet_shape over measured rates: prompts on the workers that are not decode workers
+        (all of them without), tokens streamed by the serving ones."""
         live = self.live()
+        if len(live) == 1 and live[0].info.core.speed is not None:
+            one = live[0]
+            speed = (one.stats.core.speed if one.stats is not None else None) or one.info.core.speed
+            return EngineShape(speed, 1.0, budget, one.info.core.max_num_seqs, contended_chunk)
         prompt = [w for w in live if w.role != "decode"] or live
         serving = self.serving()
         return fleet_shape([self.speed(w) for w in prompt], [self.speed(w) for w in serving], budget,

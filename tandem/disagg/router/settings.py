@@ -21,6 +21,9 @@ class RouterSettings:
     # A dead local worker is started again by the restart backoff (tandem/restart_backoff.py).
     restart_backoff_s: float = RESTART_BACKOFF_S
     max_restart_backoff_s: float = MAX_RESTART_BACKOFF_S
+    # Every worker's prefix-cache events, published again on this ZeroMQ PUB address (None: not at all),
+    # each batch with the id of the worker it came from.
+    kv_events_endpoint: str | None = None
 
 
 @dataclass

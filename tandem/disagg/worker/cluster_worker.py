@@ -80,7 +80,7 @@ def pin_cores(cores: list[int] | None) -> int:
 
 class Worker(EngineService):
     def __init__(self, config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
-                 cores: list[int] | None, kv_transport: str, kv_host: str) -> None:
+                 cores: list[int] | None, kv_transport: str, kv_host: str, profile_speed: bool = False) -> None:
         from tandem.engine.worker_group import load_engine_model
 
         self.role, self.worker_id, self.cores = role, worker_id, cores
@@ -121,6 +121,11 @@ class Worker(EngineService):
             Hello: lambda m: self.register(),
             Pause: self._on_pause, MigrateKV: self._on_migrate, Resume: lambda m: self.core.resume(m.request_id),
         })
+        # Its step times, as the single server's core times them: the router's admission predicts a lone
+        # worker from them (registry.py shape; several are predicted from measured rates, so they are
+        # not timed). Kept per machine and settings (step_time_cache.py).
+        if profile_speed:
+            self.core.profile_speed()
         self.info = WorkerInfo(worker_id, role, core_info(self.core, loaded),
                                self.receiver.endpoint if self.receiver else None, socket.gethostname(), os.getpid(),
                                cores)
@@ -318,12 +323,13 @@ def _exit_cleanly(*_: object) -> None:
 
 
 def run_worker(config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
-               cores: list[int] | None, kv_transport: str, kv_host: str, parent_pid: int | None = None) -> int:
+               cores: list[int] | None, kv_transport: str, kv_host: str, parent_pid: int | None = None,
+               profile_speed: bool = False) -> int:
     num_cores = pin_cores(cores)
     if cores:  # a worker pinned to n cores runs n threads: more would only fight over them
         config.parallel.num_threads = num_cores
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    worker = Worker(config, role, router_addr, secret, worker_id, cores, kv_transport, kv_host)
+    worker = Worker(config, role, router_addr, secret, worker_id, cores, kv_transport, kv_host, profile_speed)
     worker.parent_pid = parent_pid
     try:
         worker.register()
