@@ -8,6 +8,7 @@ deployment's workers, and updates when load arrives (a screenshot lands in test-
 from __future__ import annotations
 
 import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,15 +85,16 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
 
         before = cluster(server)
-        assert before["mode"] == "colocated" and before["router"] is None
+        # A cluster of one: the router in the API process, one colocated worker on every core.
+        assert before["mode"] == "colocated" and before["router"]["pid"] == server.proc.pid
         [core] = before["workers"]
         assert (core["role"], core["state"]) == ("colocated", "up") and core["kv_total_blocks"] > 0
-        assert core["cores"], "the engine core's CPU affinity"
+        assert core["cores"] == sorted(os.sched_getaffinity(0)), "the lone worker's CPU affinity: every core"
         assert before["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 10000.0}
-        # One engine: no worker to move requests between (a cluster's live migration).
+        # Nothing in flight, and no other worker: a live migration moves nothing.
         moved = web.post(f"{server.url}/v1/cluster/workers/{core['id']}/migrate",
                          headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-        assert moved.status_code == 404 and "one engine" in moved.json()["error"]["message"]
+        assert moved.status_code == 200 and moved.json()["migrated"] == []
 
         for i in range(3):
             complete(server, f"Count to {i + 3}:", max_tokens=6)

@@ -285,7 +285,7 @@ def test_a_killed_engine_core_is_started_again() -> None:
     """kill -9 of the engine process: 503s and an unhealthy /health meanwhile, never a hang; a request
     waiting for its first token is sent again to the new core and succeeds."""
     with running_server(*SERVER_ARGS) as s:
-        core = next(pid for pid in children(s.proc.pid) if b"spawn_main" in cmdline(pid))
+        core = next(pid for pid in children(s.proc.pid) if b"--role\x00colocated" in cmdline(pid))
         waiting: dict[str, httpx.Response] = {}
         # A prompt of 1,500 tokens in 256-token steps: still prefilling, no output yet, when the core dies.
         thread = threading.Thread(target=lambda: waiting.update(r=web.post(

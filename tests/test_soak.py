@@ -31,7 +31,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_rss_kib(server_pid: int) -> int:
-    """Resident memory of the engine core: the server's child process running the model."""
+    """Resident memory of the engine: the server's one worker process, running the model."""
     rss = 0
     for pid in children(server_pid):
         try:
@@ -39,7 +39,7 @@ def engine_rss_kib(server_pid: int) -> int:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"multiprocessing" in cmdline:  # the spawned core (the template sandbox runs no model)
+        if b"--role\x00colocated" in cmdline:  # its lone worker (the template sandbox runs no model)
             rss = max(rss, int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))))
     assert rss, "no engine process found"
     return rss

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -45,19 +46,19 @@ def test_serve_reports_its_progress_and_where_it_serves() -> None:
             if not raw:
                 break
             lines.append(json.loads(raw))  # every line is one JSON object, the child processes' too
-            # The core says it is ready about when the API says it serves: two processes, either first.
+            # The worker says it is ready about when the API says it serves: two processes, either first.
             if any(line.get("event") == "serving" for line in lines) and \
-                    any(line["msg"].startswith("engine core ready") for line in lines):
+                    any(line["msg"].startswith("colocated worker colocated-0 ready") for line in lines):
                 break
         serving = [line for line in lines if line.get("event") == "serving"]
         assert serving, lines
         messages = [line["msg"] for line in lines]
         processes = {line["process"] for line in lines}
-        assert {"api", "core"} <= processes
+        assert {"api", "colocated-0"} <= processes
         assert any(m.startswith("loading ") for m in messages)
         assert any(m.startswith("kernels: ") for m in messages)
         assert any(m.startswith("KV pool: 0.25 GiB = ") for m in messages)
-        assert any(m.startswith("engine core ready") for m in messages)
+        assert any(m.startswith("colocated worker colocated-0 ready") for m in messages)
         urls = serving[0]["urls"]
         assert urls["dashboard"] == f"http://127.0.0.1:{port}/dashboard"
         assert "Ctrl-C" in serving[0]["msg"]
@@ -72,12 +73,15 @@ def test_serve_reports_its_progress_and_where_it_serves() -> None:
             assert web.post(chat, json=body, timeout=60).status_code == 200
         assert not torch_mapped(proc.pid)
         assert [pid for pid in children(proc.pid) if torch_mapped(pid)]
-        # The tree docs/architecture.md draws: one engine core beside multiprocessing's resource tracker, and
-        # no process of the core's own (no worker group's followers without -tp).
+        # The tree docs/architecture.md draws: the API process (the router in it) and one colocated worker
+        # on every core, with no process of the worker's own (no worker group's followers without -tp).
         kids = {pid: cmdline(pid) for pid in children(proc.pid)}
-        cores = [pid for pid, line in kids.items() if b"spawn_main" in line]
-        assert len(cores) == 1 and all(b"spawn_main" in line or b"resource_tracker" in line for line in kids.values())
-        assert torch_mapped(cores[0]) and children(cores[0]) == []
+        assert len(kids) == 1, kids
+        [(worker, line)] = kids.items()
+        assert b"\x00worker\x00" in line and b"--role\x00colocated" in line
+        cores = ",".join(map(str, sorted(os.sched_getaffinity(0)))).encode()
+        assert b"--cores\x00" + cores in line
+        assert torch_mapped(worker) and children(worker) == []
     finally:
         proc.terminate()
         proc.wait(60)
@@ -130,9 +134,9 @@ def test_an_engine_reads_the_tokenizers_end_token_without_loading_it() -> None:
 
 
 def test_the_command_line_parses_without_torch_so_the_core_starts_first() -> None:
-    """`tandem serve` starts its engine core before its own process imports torch (the two imports then
-    run side by side): parsing the command line, and the launcher, must not bring torch in."""
-    code = ("import sys; import tandem.cli, tandem.serve.core_launch; "
+    """`tandem serve` starts its worker before its own process imports torch (the two imports then run
+    side by side): parsing the command line, and the launcher, must not bring torch in."""
+    code = ("import sys; import tandem.cli, tandem.cli.cluster, tandem.disagg.fleet.local_launcher; "
             "tandem.cli.build_parser().parse_args(['serve', '--max-num-seqs', '8']); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -1,4 +1,5 @@
-"""`tandem serve`: the OpenAI-compatible server over one engine core or a router with its workers."""
+"""`tandem serve`: the OpenAI-compatible server over a router and its workers (one colocated worker on
+every core when no workers are asked for: the single server is a cluster of one)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tandem.logs import startup
-    from tandem.serve.core_launch import launch_core
     from tandem.serve.startup import check_memory, check_port
     from tandem.slo import Slo
 
@@ -49,27 +49,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   args.seat_overcommit, args.admission_ttft_budget or None,
                                   args.max_tenant_waiting_requests, args.max_tenant_queued_tokens)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-    cluster = bool(args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
-    startup.info("admission: %s", admission.describe(slo, router=cluster))
+    lone = not (args.prefill_workers or args.decode_workers or args.workers or args.router_bind)
+    if lone:  # one engine: a cluster of one colocated worker on every core this process may use
+        args.workers = 1
+        args.worker_cores = args.worker_cores or [",".join(map(str, sorted(os.sched_getaffinity(0))))]
+        args.kv_transport = "none"  # no other worker to send it KV: its pool stays private memory, not shm
+    startup.info("admission: %s", admission.describe(slo, router=not lone))
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     # The engine processes start before this process imports the app and loads the tokenizer, so their
     # start (torch, the model, the KV pool) overlaps that.
-    launched = engine = None
-    if cluster:
-        engine = disaggregated_engine(args, config, None)
-        startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
-                     args.decode_workers, args.workers)
-        engine.launch()
-    else:
-        startup.info("starting the engine core process")
-        launched = launch_core(args.model, engine_kwargs(args), args.log_level.upper(), args.kv_events_endpoint,
-                               admission.predicts)
+    engine = disaggregated_engine(args, config, None)
+    startup.info("starting a router (%d prefill, %d decode, %d colocated local workers)", args.prefill_workers,
+                 args.decode_workers, args.workers)
+    engine.launch()
 
     import uvicorn
 
     from tandem.model_path import DEFAULT_MODEL_NAME
     from tandem.serve.api import ServerSettings, build_app
-    from tandem.serve.async_engine import AsyncEngine
     from tandem.serve.startup import AnnouncingServer
     from tandem.tokenizer import load_tokenizer
 
@@ -77,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not keys and os.environ.get("TANDEM_API_KEY"):
         keys = [os.environ["TANDEM_API_KEY"]]
     settings = ServerSettings(args.served_model_name, keys, args.request_timeout,
-                              args.log_level.upper(), args.kv_events_endpoint,
+                              args.log_level.upper(),
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_prompt_chars=args.max_prompt_chars,
                               trust_request_chat_template=args.trust_request_chat_template,
@@ -88,9 +85,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               slo=slo, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               max_stored_responses=args.max_stored_responses,
                               structured_outputs_whitespace=args.structured_outputs_whitespace)
-    if engine is None:
-        engine = AsyncEngine(config, None, settings.log_level, kv_events_endpoint=settings.kv_events_endpoint,
-                             profile_speed=settings.admission.predicts, launched=launched)
     tokenizer = load_tokenizer(args.model)
     engine.attach_tokenizer(tokenizer)
     app = build_app(config, settings, tokenizer, engine)

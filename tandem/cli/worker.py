@@ -30,8 +30,9 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wrk.add_argument("--router", required=True, help="the router's worker address, e.g. tcp://10.0.0.1:5600")
     wrk.add_argument("--worker-id", default=None)
     wrk.add_argument("--cores", default=None, help="pin to these cores (e.g. 0 or 0-3); threads follow")
-    wrk.add_argument("--kv-transport", default="zmq", choices=["shm", "zmq"],
-                     help="decode workers: receive KV by shared memory (same host only) or ZeroMQ/TCP")
+    wrk.add_argument("--kv-transport", default="zmq", choices=["shm", "zmq", "none"],
+                     help="decode and colocated workers: receive KV by shared memory (same host only) or "
+                          "ZeroMQ/TCP; none: no receiver (a lone worker, whom no other sends KV)")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode workers: address the KV receiver binds")
     wrk.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # exit when it exits
     wrk.add_argument("--profile-speed", action="store_true",

@@ -1,7 +1,7 @@
 """The engine service loop: one engine core serving the requests that arrive as messages.
 
-The colocated server's core process (serve/core_proc.py) and every cluster worker
-(disagg/worker/cluster_worker.py) run this same loop; each provides only how messages travel (`receive`, `send`)
+Every worker (disagg/worker/cluster_worker.py; the single server's one engine is a lone colocated
+worker) runs this loop; each provides only how messages travel (`receive`, `send`)
 and what it adds around the engine (the worker's KV transfers, through the hooks). Messages are
 dispatched by type through a table a subclass extends.
 

@@ -40,8 +40,8 @@ __all__ = ["ServerSettings", "build_app"]
 
 def build_app(config: EngineConfig, settings: ServerSettings, tokenizer: Any | None,
               engine: EngineClient) -> FastAPI:
-    """The OpenAI API over an engine: one local engine core (AsyncEngine) or the disaggregated router;
-    the lifespan starts it (or waits for the core process it launched already)."""
+    """The OpenAI API over an engine client (the router, over one worker or many); the lifespan starts
+    it (or waits for the workers it launched already)."""
     salts = key_salts(settings.api_keys)
     fields = UnknownFields(settings.reject_unknown_fields)
     text = TextSide.build(tokenizer, settings)

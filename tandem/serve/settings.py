@@ -14,7 +14,6 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)
     request_timeout: float | None = 600.0
     log_level: str = "WARNING"
-    kv_events_endpoint: str | None = None
     max_request_body_bytes: int = 8 << 20
     max_prompt_chars: int = 1_000_000  # all prompts or messages of one request, checked before tokenizing
     trust_request_chat_template: bool = False  # render a request's chat_template (in a sandbox process)

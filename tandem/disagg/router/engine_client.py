@@ -1,11 +1,10 @@
-"""What the HTTP layer needs from an engine, one local core's or a cluster's: validate and enqueue,
+"""What the HTTP layer needs from an engine (the router's, disagg_engine.py): validate and enqueue,
 stream outputs per request, abort, report health and stats, and what admission weighs (EngineLoad).
 
 Requests are tokenized and validated here (InputProcessor) and the engine's token outputs come back
 through one reader that detokenizes them (OutputProcessor) and hands each RequestOutput to the waiting
 request's queue. A request whose consumer goes away (client disconnect, timeout) is aborted in the
-engine, which frees its blocks at the next step boundary. The router (disagg_engine.py) is one; the
-single server's AsyncEngine (serve/async_engine.py) is the other.
+engine, which frees its blocks at the next step boundary.
 """
 
 from __future__ import annotations
@@ -43,12 +42,12 @@ class EngineRequestError(RuntimeError):
 
 class EngineClient(EngineLoad):
     """What the HTTP layer needs from an engine: validate and enqueue, stream outputs per request,
-    abort, report health and stats. AsyncEngine drives one local core; the disaggregated router
-    (tandem.disagg.router.disagg_engine) drives a cluster of workers behind the same interface."""
+    abort, report health and stats. The router (tandem.disagg.router.disagg_engine) is one, for one
+    worker or many; tests drive others."""
 
     def attach_tokenizer(self, tokenizer: Any | None) -> None:
         """The text side's tokenizer: given at construction, or later by a server that launched its core
-        before loading it (AsyncEngine.launch), before start()."""
+        before loading it (DisaggEngine.launch), before start()."""
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
 

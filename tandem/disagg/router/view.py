@@ -35,8 +35,10 @@ def cluster_view(registry: WorkerRegistry, c: RouterCounters, address: str, in_f
     transfers = [{"from": src, "to": dst, "count": n, "bytes": nbytes}
                  for (src, dst), (n, nbytes) in sorted(c.transfers.items())]
     planner = planning.view() if planning is not None else None
-    return {"mode": "disaggregated", "router": router, "workers": workers, "transfers": transfers,
-            "planner": planner}
+    # Colocated: every worker runs whole requests (the single server's lone worker, or several).
+    split = any(w.role in ("prefill", "decode") for w in registry.workers.values())
+    return {"mode": "disaggregated" if split else "colocated", "router": router, "workers": workers,
+            "transfers": transfers, "planner": planner}
 
 
 def cluster_snapshot(registry: WorkerRegistry, c: RouterCounters, restarts: int,

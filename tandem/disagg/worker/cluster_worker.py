@@ -107,7 +107,7 @@ class Worker(EngineService):
         self.kv_recv: KVRecvConnector | None = None
         # Every worker sends: a prefill's KV, or a paused request's on a live migration (a decode worker's).
         connector: KVConnector = self.kv_send
-        if role in RECEIVING_ROLES:
+        if role in RECEIVING_ROLES and kv_transport != "none":  # none: nobody sends it KV (a lone worker)
             self.receiver = make_receiver(kv_transport, kv_host, 0, secret)
             self.kv_recv = KVRecvConnector(self.receiver, block_size, worker_id)
             connector = MultiConnector([self.kv_send, self.kv_recv])
