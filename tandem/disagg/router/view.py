@@ -26,6 +26,7 @@ def cluster_view(registry: WorkerRegistry, c: RouterCounters, address: str, in_f
         workers.append(worker_entry(
             w.worker_id, w.role, state, w.info.pid, w.info.host, w.info.cores,
             w.stats.core if w.stats is not None else None, in_flight=len(w.inflight),
+            kv_total_blocks=w.info.core.num_blocks,  # known from its Register, before its first report
             requests_routed=c.requests.get(w.worker_id, 0),
             routed_overlap_rate=c.overlap_blocks.get(w.worker_id, 0) / blocks if blocks else None,
             kv_bytes_sent=t.bytes_sent if t else 0, kv_bytes_received=t.bytes_received if t else 0))
