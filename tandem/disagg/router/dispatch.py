@@ -316,11 +316,15 @@ class Dispatcher:
         """The whole request on one worker: the one chosen, or, as a fallback when no path could take
         it, the least-loaded colocated (else decode, else any) worker."""
         reg = self.registry
+
+        def fallbacks() -> list[WorkerHandle]:
+            return reg.routable("colocated") or reg.routable("decode") or reg.routable() or reg.live()
+
         if worker is None:
-            candidates = reg.routable("colocated") or reg.routable("decode") or reg.routable() or reg.live()
+            candidates = fallbacks()
             while not candidates and self.expecting_worker():  # its own timeout bounds the wait
                 await asyncio.sleep(WORKER_WAIT_POLL_S)
-                candidates = reg.routable("colocated") or reg.routable("decode") or reg.routable() or reg.live()
+                candidates = fallbacks()
             if not candidates:
                 raise EngineDeadError("no live worker to serve the request")
             worker = min(candidates, key=lambda w: (w.load, w.worker_id))
