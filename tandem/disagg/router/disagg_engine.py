@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -31,7 +30,8 @@ from tandem.disagg.fleet.owner import WorkerFleet
 from tandem.disagg.fleet.restarts import Restarter
 from tandem.disagg.router.dispatch import Dispatcher
 from tandem.disagg.router.engine_client import EngineClient, EngineDeadError, EngineRequestError
-from tandem.disagg.router.flight import Flight, WorkerLost
+from tandem.disagg.router.flight import Flight, WorkerLost, active_blocks
+from tandem.disagg.router.kv_events_pub import KVEventsPublisher
 from tandem.disagg.router.metrics import ClusterSnapshot, DisaggMetrics, MetricsSink
 from tandem.disagg.router.migration import Migrator
 from tandem.disagg.router.planner_loop import PlannerLoop
@@ -90,11 +90,7 @@ class DisaggEngine(EngineClient):
         self._channel = wire.Channel(settings.secret)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self._kv_pub: zmq.asyncio.Socket | None = None
-        if settings.kv_events_endpoint:
-            self._kv_pub = self._ctx.socket(zmq.PUB)
-            self._kv_pub.setsockopt(zmq.LINGER, 0)
-            self._kv_pub.bind(settings.kv_events_endpoint)
+        self._kv_pub = KVEventsPublisher.bind(self._ctx, settings.kv_events_endpoint)
         self.restarter = Restarter(self.fleet.start, settings.restart_backoff_s, settings.max_restart_backoff_s)
         self._refused: wire.LRU[bytes, None] = wire.LRU(REFUSED_PEERS)
         self._handlers: dict[type, Callable[[WorkerHandle, Any], Any]] = {
@@ -171,7 +167,7 @@ class DisaggEngine(EngineClient):
         secure.release(self._sock)
         self._sock.close(linger=0)
         if self._kv_pub is not None:
-            self._kv_pub.close(linger=0)
+            self._kv_pub.close()
         self._ctx.term()
 
     def attach_metrics(self, metrics: MetricsSink) -> None:  # type: ignore[override]
@@ -271,8 +267,8 @@ class DisaggEngine(EngineClient):
 
     async def _on_kv_events(self, worker: WorkerHandle, msg: KVEvents) -> None:
         self.registry.index.apply(worker.worker_id, msg.events)
-        if self._kv_pub is not None:  # PUB drops when nobody listens: publishing never holds the router up
-            await self._kv_pub.send_pyobj(replace(msg, worker_id=worker.worker_id))
+        if self._kv_pub is not None:
+            await self._kv_pub.publish(worker.worker_id, msg)
 
     async def _on_outputs(self, worker: WorkerHandle, msg: StepOutputs) -> None:
         self.registry.report(worker, msg.stats)
@@ -301,12 +297,7 @@ class DisaggEngine(EngineClient):
         ttft, tpot = flight.ttft_s, flight.tpot_s(time.monotonic())
         self.dispatch.learn(flight, ttft, tpot)
         record = self.counters.path(flight.path or "unknown")
-        if ttft is not None and flight.predicted_ttft_s is not None:
-            record.predicted_ttft_s.append(flight.predicted_ttft_s)
-            record.measured_ttft_s.append(ttft)
-        if tpot is not None and flight.predicted_tpot_s is not None:
-            record.predicted_tpot_s.append(flight.predicted_tpot_s)
-            record.measured_tpot_s.append(tpot)
+        record.record(flight.predicted_ttft_s, ttft, flight.predicted_tpot_s, tpot)
         if self.planning is not None and ttft is not None:
             self.planning.observe(ttft, tpot, flight.request.arrival_time, flight.num_output_tokens)
 
@@ -367,19 +358,7 @@ class DisaggEngine(EngineClient):
         return flight
 
     def _active_blocks(self, worker: WorkerHandle) -> int:
-        """The KV blocks of the requests the worker is serving: its decode load, as the router sees it.
-        A prefix several of them share is one set of blocks there, so it counts once: else a hot
-        prefix's own requests would push new ones sharing it off the worker that caches it."""
-        bs = self.info.block_size if self.info is not None else 16
-        shared: set[int] = set()
-        own = 0
-        for rid in worker.inflight:
-            flight = self.flights.get(rid)
-            if flight is None:
-                continue
-            shared.update(flight.keys)
-            own += -(-flight.request.num_tokens // bs) - len(flight.keys)
-        return len(shared) + own
+        return active_blocks(worker, self.flights, self.info.block_size if self.info is not None else 16)
 
     # -- failure detection --------------------------------------------------------------------
     async def _watch(self) -> None:

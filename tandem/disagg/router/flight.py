@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tandem.disagg.router.registry import WorkerHandle
@@ -95,3 +96,18 @@ class Flight:
         """Mean time per output token after the first (None: fewer than two tokens)."""
         n = self.num_output_tokens
         return (now - self.first_token_at) / (n - 1) if self.first_token_at is not None and n > 1 else None
+
+
+def active_blocks(worker: WorkerHandle, flights: Mapping[str, Flight], block_size: int) -> int:
+    """The KV blocks of the requests the worker is serving: its decode load, as the router sees it.
+    A prefix several of them share is one set of blocks there, so it counts once: else a hot
+    prefix's own requests would push new ones sharing it off the worker that caches it."""
+    shared: set[int] = set()
+    own = 0
+    for rid in worker.inflight:
+        flight = flights.get(rid)
+        if flight is None:
+            continue
+        shared.update(flight.keys)
+        own += -(-flight.request.num_tokens // block_size) - len(flight.keys)
+    return len(shared) + own

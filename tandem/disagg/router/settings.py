@@ -35,6 +35,16 @@ class PathRecord:
     predicted_tpot_s: list[float] = field(default_factory=list)
     measured_tpot_s: list[float] = field(default_factory=list)
 
+    def record(self, predicted_ttft_s: float | None, ttft_s: float | None, predicted_tpot_s: float | None,
+               tpot_s: float | None) -> None:
+        """A finished request's predictions beside what it measured (each pair where both exist)."""
+        if ttft_s is not None and predicted_ttft_s is not None:
+            self.predicted_ttft_s.append(predicted_ttft_s)
+            self.measured_ttft_s.append(ttft_s)
+        if tpot_s is not None and predicted_tpot_s is not None:
+            self.predicted_tpot_s.append(predicted_tpot_s)
+            self.measured_tpot_s.append(tpot_s)
+
 
 @dataclass
 class RouterCounters:
