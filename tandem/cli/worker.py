@@ -20,7 +20,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     cores = parse_cores(args.cores) if args.cores else None
     return run_worker(config, args.role, args.router, secret_from_env(), worker_id, cores, args.kv_transport,
-                      args.kv_host, args.parent_pid, args.profile_speed)
+                      args.kv_host, args.parent_pid, args.profile_speed, threads_follow_cores=args.num_threads is None)
 
 
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:

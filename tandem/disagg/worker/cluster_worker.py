@@ -324,16 +324,19 @@ def _exit_cleanly(*_: object) -> None:
 
 def run_worker(config: EngineConfig, role: str, router_addr: str, secret: bytes, worker_id: str,
                cores: list[int] | None, kv_transport: str, kv_host: str, parent_pid: int | None = None,
-               profile_speed: bool = False) -> int:
+               profile_speed: bool = False, threads_follow_cores: bool = True) -> int:
     num_cores = pin_cores(cores)
-    if cores:  # a worker pinned to n cores runs n threads: more would only fight over them
+    # A worker pinned to n cores runs n threads, more would only fight over them, unless the command
+    # line says how many (`tandem serve --num-threads 1` runs its one worker on every core with one).
+    if cores and threads_follow_cores:
         config.parallel.num_threads = num_cores
     signal.signal(signal.SIGTERM, _exit_cleanly)
     worker = Worker(config, role, router_addr, secret, worker_id, cores, kv_transport, kv_host, profile_speed)
     worker.parent_pid = parent_pid
     try:
         worker.register()
-        startup.info("%s worker %s ready; registered with the router at %s", role, worker_id, router_addr)
+        startup.info("%s worker %s ready (%d threads); registered with the router at %s", role, worker_id,
+                     config.parallel.num_threads, router_addr)
         worker.run()
     finally:
         worker.close()
