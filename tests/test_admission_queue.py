@@ -11,12 +11,15 @@ admission predicts and when requests really start."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from tandem.disagg.router.engine_client import EngineClient
+from tandem.disagg.router.disagg_engine import DisaggEngine
+from tandem.disagg.router.settings import RouterSettings
+from tandem.disagg.worker.messages import WorkerInfo
 from tandem.engine.core_report import CoreInfo
 from tandem.engine.speed import StepSpeed
 from tandem.policy.admission import AdmissionSettings, Deadlines, Load, check_admission, predict_wait
@@ -250,16 +253,25 @@ def test_slo_and_off_keep_their_rules() -> None:
 
 
 def test_a_prompt_the_prefix_cache_holds_is_predicted_as_cached() -> None:
-    """The server's client counts the blocks of prompts it sent lately as cached: a second request
-    with the same 1,024-token prefix is predicted to compute only its tail (salted per tenant)."""
-    client = EngineClient(tokenizer=None)
-    client.info = CoreInfo(4096, 1000, None, 512, "m", block_size=16)
-    prefix = list(range(1024))
-    assert client.uncached_tokens([*prefix, 7, 8], "t1") == 1026
-    client.sent_blocks.predict("local", client._block_keys([*prefix, 1, 2, 3], "t1"))
-    assert client.uncached_tokens([*prefix, 7, 8], "t1") == 2
-    assert client.uncached_tokens([*prefix, 7, 8], "t2") == 1026, "another tenant's cache is not this one's"
-    assert client.uncached_tokens(prefix, "t1") == 1, "a whole cached prompt still computes its last token"
+    """The server (a router, for one worker or many) counts the blocks of a prompt it routed lately as
+    cached on that worker: a second request with the same 1,024-token prefix is predicted to compute
+    only its tail (salted per tenant)."""
+    async def main() -> None:
+        engine = DisaggEngine(None, None, RouterSettings(secret=b"s" * 32))  # type: ignore[arg-type]
+        try:
+            engine.info = CoreInfo(4096, 1000, None, 512, "m", block_size=16)
+            worker = engine.registry.join(b"colocated-0", WorkerInfo("colocated-0", "colocated", engine.info,
+                                                                      None, "h", 1, None))
+            prefix = list(range(1024))
+            assert engine.uncached_tokens([*prefix, 7, 8], "t1") == 1026
+            engine.router.routed(worker, engine._block_keys([*prefix, 1, 2, 3], "t1"))
+            assert engine.uncached_tokens([*prefix, 7, 8], "t1") == 2
+            assert engine.uncached_tokens([*prefix, 7, 8], "t2") == 1026, "another tenant's cache is not this one's"
+            assert engine.uncached_tokens(prefix, "t1") == 1, "a whole cached prompt still computes its last token"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
 
 
 def test_the_start_up_line_says_what_admission_does_in_each_deployment() -> None:

@@ -30,6 +30,7 @@ from transformers import (
 from tandem import LLM, SamplingParams
 from tandem.model.arch import ArchConfig
 from tandem.model.tensor_parallel import Shard, head_ranges, shard_arch, split_range
+from tandem.parallel.shm import GroupFailed
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512,
               rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -171,6 +172,16 @@ def test_tp2_speculative_decoding_matches_transformers(models) -> None:  # noqa:
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 16)
         assert llm.engine.core.spec.stats.num_draft_tokens > 0
         assert_pool_clean(llm.engine)
+        # An idle group's death is noticed between steps (a worker's heartbeat checks it), not first by
+        # the next request's collective.
+        llm.engine.core.check_alive()
+        [follower] = _followers(os.getpid())
+        os.kill(follower, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        with pytest.raises(GroupFailed, match="exited"):
+            while time.monotonic() < deadline:
+                llm.engine.core.check_alive()
+                time.sleep(0.05)
     finally:
         llm.close()
     # Rank 0 was this process, pinned to its cores while the group lived: as it was again.

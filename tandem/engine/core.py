@@ -316,6 +316,11 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def check_alive(self) -> None:
+        """GroupFailed if a rank of its worker group has gone (nothing to check without a group)."""
+        if self.runner.comm is not None:
+            self.runner.comm.check_alive()
+
     def close(self) -> None:
         """Stop the connector's threads (the store flushes what it was saving) and the worker group."""
         self.connector.close()

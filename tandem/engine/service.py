@@ -113,16 +113,22 @@ class EngineService:
                 self._step()
             self.tick()
             if time.monotonic() - self._last_report >= HEARTBEAT_S:
+                self._guard_group(self.core.check_alive)  # a report says the whole group lives
                 self._report([])
+
+    def _guard_group(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except GroupFailed as e:
+            # A rank of the worker group died: fail what is in flight, and end the loop (the process
+            # exits; its owner, the router's fleet, starts the whole group again with its backoff).
+            self.send(RequestsFailed(self.core.request_ids(), f"engine error: {e}"))
+            raise
 
     def _step(self) -> None:
         try:
-            outputs = self.core.step()
-        except GroupFailed as e:
-            # A rank of the worker group died: fail what is in flight, and end the loop (the process
-            # exits; its owner starts the group again).
-            failed = self.core.request_ids()
-            self.send(RequestsFailed(failed, f"engine error: {e}"))
+            outputs = self._guard_group(self.core.step)
+        except GroupFailed:
             raise
         except Exception as e:
             # A failed step fails the requests in it, not the engine: free them and carry on.

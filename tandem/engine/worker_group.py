@@ -133,8 +133,14 @@ class WorkerGroup:
             self.kill()
             raise GroupFailed(f"a rank of the worker group failed to start: {errors[0]}")
         self.comm.on_close.append(self.stop)
+        self.comm.liveness.append(self.check_followers)
         logs.startup.info("worker group: %d ranks (tensor parallel %d, expert parallel %d), collectives over %s",
                           self.size, parallel.tensor_parallel_size, parallel.expert_parallel_size, self.comm.backend)
+
+    def check_followers(self) -> None:
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                raise GroupFailed(f"rank {rank} of the worker group (pid {p.pid}) exited with {p.returncode}")
 
     def stop(self) -> None:
         """Tell the followers to exit (when they can still hear it), then make sure they did."""

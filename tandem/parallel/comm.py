@@ -71,6 +71,9 @@ class GroupComm:
             os.unlink(address.shm_path)
         self.seconds: dict[str, float] = {}  # wall time in each kind of collective, waiting for peers included
         self.on_close: list[Callable[[], None]] = []  # run first by close() (rank 0: stop the followers)
+        # Raise GroupFailed when a rank has gone (rank 0: its followers' processes), called between
+        # steps, so that an idle group's death is noticed at once, not by the next request's step.
+        self.liveness: list[Callable[[], None]] = []
         # The compiled all-reduce over the same exchange (ops/group_reduce.cpp), when the caller has it
         # (use_native): a Python exchange costs ~40 us of interpreter time here, the compiled one ~5.
         self._native_all_reduce: Callable[..., torch.Tensor] | None = None
@@ -232,6 +235,10 @@ class GroupComm:
         parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
         self.pg.allgather([parts], [mine.to(self.device)]).wait()
         return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)]
+
+    def check_alive(self) -> None:
+        for check in self.liveness:
+            check()
 
     def close(self) -> None:
         hooks, self.on_close = self.on_close, []

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from tandem.disagg.router.engine_load import LOCAL, PREFIX_TTL_S, EngineLoad, Stream
+from tandem.disagg.router.engine_load import EngineLoad, Stream
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.core_report import CoreInfo, CoreStats
 from tandem.engine.core_request import EngineCoreRequest
@@ -22,7 +22,6 @@ from tandem.engine.processor import InputProcessor, ModelLimits, OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.policy.admission import PromptRate
 from tandem.policy.deadlines import Calibration
-from tandem.policy.prefix_index import PrefixIndex
 from tandem.sampling_params import SamplingParams
 
 
@@ -63,9 +62,6 @@ class EngineClient(EngineLoad):
         self.token_gap_s = 0.05  # smoothed time between a stream's outputs: how fast seats free up
         self.step_budget = 0  # max_num_batched_tokens, once started
         self.calibration = Calibration()  # first tokens against their predictions (admission's bias)
-        # The prompt blocks sent to the engine lately, to predict prefix-cache hits before admitting
-        # (the router's approximate mode: a block counts as cached for a while after it was sent).
-        self.sent_blocks = PrefixIndex(predict_ttl_s=PREFIX_TTL_S)
         self.metrics: PredictionSink | None = None
 
     async def start(self) -> None:
@@ -142,9 +138,7 @@ class EngineClient(EngineLoad):
         requests = self.inputs.make_requests(rid, prompt_ids, params, cache_salt, priority=priority, tenant=tenant,
                                              tenant_weight=tenant_weight, retain_kv_as=retain_as)
         limit = self.info.max_model_len - len(prompt_ids) if self.info is not None else 1 << 20
-        keys = self._block_keys(prompt_ids, cache_salt)
-        work = self.uncached_tokens(prompt_ids, cache_salt, keys)  # hashed once
-        self.sent_blocks.predict(LOCAL, keys)
+        work = self.uncached_tokens(prompt_ids, cache_salt)
         now = time.monotonic()
         # Admission keeps a request's last token within its timeout only when it named max_tokens: one
         # that runs until the context is full would be predicted at the whole context, and protecting

@@ -1,6 +1,7 @@
 """What admission weighs a request against, as the server's side of an engine sees it: the requests in
 flight (Load), the engine's measured step shape, and which prompt blocks the engine likely caches.
-EngineClient (engine_client.py) builds on these; the router (disagg_engine.py) overrides cached_blocks."""
+EngineClient (engine_client.py) builds on these; the router (disagg_engine.py) says which blocks its
+workers cache (cached_blocks)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,6 @@ from tandem.engine.core_request import EngineCoreRequest
 from tandem.kv.hashing import block_keys
 from tandem.policy.admission import Load, PromptRate, predict_wait
 from tandem.policy.deadlines import EngineShape, Flights
-from tandem.policy.prefix_index import PrefixIndex
-
-LOCAL = "local"  # the one engine's name in the prefix index
-PREFIX_TTL_S = 300.0  # how long a prompt block sent counts as cached (evictions make this optimistic)
 
 
 @dataclass
@@ -48,7 +45,6 @@ class EngineLoad:
     prompt_rate: PromptRate
     token_gap_s: float
     step_budget: int
-    sent_blocks: PrefixIndex
 
     def capacity(self) -> int:
         raise NotImplementedError
@@ -69,14 +65,13 @@ class EngineLoad:
         return block_keys(prompt_ids, info.block_size, info.hash_algo, info.block_key_extra, salt)
 
     def cached_blocks(self, keys: list[int]) -> int:
-        """Of a prompt's full blocks, how many from the first the engine likely caches (a cluster: the
-        best worker's, from its KV events)."""
-        return self.sent_blocks.overlap(LOCAL, keys)
+        """Of a prompt's full blocks, how many from the first the engine likely caches."""
+        raise NotImplementedError
 
-    def uncached_tokens(self, prompt_ids: list[int], salt: str | None, keys: list[int] | None = None) -> int:
+    def uncached_tokens(self, prompt_ids: list[int], salt: str | None) -> int:
         """The prompt's tokens the engine would compute: its blocks likely in the prefix cache are not
-        work (the last token is always computed). keys: its block keys, when the caller has them."""
-        keys = self._block_keys(prompt_ids, salt) if keys is None else keys
+        work (the last token is always computed)."""
+        keys = self._block_keys(prompt_ids, salt)
         cached = self.cached_blocks(keys) * self.info.block_size if keys and self.info is not None else 0
         return max(len(prompt_ids) - cached, 1)
 
