@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from tandem.engine.connectors.base import KVConnector
 from tandem.engine.connectors.multi import MultiConnector
 from tandem.engine.core_output import EngineCoreOutput
 from tandem.engine.grammars import Grammars
+from tandem.engine.host_load import WINDOW_S, wait_until_quiet
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, RunnerOutput, StepTimings, num_kv_blocks
@@ -40,6 +41,16 @@ from tandem.speculative.decoder import SpecDecoder
 from tandem.speculative.policy import StepCost
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _quietly(measure: Callable[[], T]) -> T:
+    """measure() once no other process keeps this engine's cores busy (host_load.py): a profile timed
+    beside a starting API process would be kept, and mislead, for every later start."""
+    waited = wait_until_quiet()
+    if waited > WINDOW_S:
+        startup.info("step times: waited %.1f s for the other processes on these cores to go quiet", waited)
+    return measure()
 
 
 def kv_block_nbytes(config: EngineConfig, model: CausalLM) -> int:
@@ -115,7 +126,8 @@ class EngineCore:
             counts = profiled_counts(spec.num_speculative_tokens,
                                      min(config.scheduler.max_num_batched_tokens, self.max_model_len))
             cost, _ = step_time_cache.measured(
-                self._profile_key("spec-step-cost", {"counts": counts}), lambda: profile_step_cost(self.runner, counts),
+                self._profile_key("spec-step-cost", {"counts": counts}),
+                lambda: _quietly(lambda: profile_step_cost(self.runner, counts)),
                 lambda c: {"tokens": c.tokens.tolist(), "seconds": c.seconds.tolist()},
                 lambda d: StepCost(np.asarray(d["tokens"], dtype=np.float64), np.asarray(d["seconds"],
                                                                                          dtype=np.float64)))
@@ -130,7 +142,8 @@ class EngineCore:
         passes = speed_passes(sc.max_num_batched_tokens, sc.max_num_seqs, self.num_blocks, self.max_model_len,
                               self.runner.block_size)
         speed, stored = step_time_cache.measured(
-            self._profile_key("step-speed", asdict(passes)), lambda: profile_speed(self.runner, passes),
+            self._profile_key("step-speed", asdict(passes)),
+            lambda: _quietly(lambda: profile_speed(self.runner, passes)),
             asdict, lambda d: StepSpeed(*(tuple(d[f]) for f in ("prompt_tokens", "prompt_s", "decode_rows",
                                                                  "decode_s"))))
         if stored:
