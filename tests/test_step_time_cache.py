@@ -18,7 +18,8 @@ from tiny_served_model import tiny_served_model
 import tandem.engine.core as core_module
 from tandem.config import SpeculativeConfig
 from tandem.engine import step_time_cache
-from tandem.engine.spec_profile import speed_passes
+from tandem.engine.spec_profile import SpeedPasses, profile_speed, speed_passes
+from tandem.engine.step import SchedulerOutput
 
 
 @pytest.fixture
@@ -133,3 +134,23 @@ def test_the_layers_left_out_of_the_code_stamp_are_those_the_import_contract_put
                  if c["type"] == "layers" and c["containers"] == ["tandem"]]
     above = [name.strip() for layer in layers[:layers.index("engine")] for name in layer.split("|")]
     assert sorted(above) == sorted(step_time_cache.ABOVE_THE_ENGINE)
+
+
+def test_the_profiled_decode_rows_are_decode_rows_to_the_runner(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile times decode batches on the runner's decode path (with the shipped batch-invariant
+    kernels a prompt's last token is a prompt row, about 1.5x the cost: the profile had predicted every
+    decode step that much too slow)."""
+    core = make_llm(model=str(tiny_served_model()), dtype="float32", kv_cache_memory=0.0625).engine.core
+    runner = core.runner
+    assert runner.deterministic, "the shipped default"
+    rows: list[bool] = []
+    execute = runner.execute
+
+    def spy(sched: SchedulerOutput) -> object:
+        rows.extend(runner._decode_row(s) for s in sched.scheduled
+                    if s.request.request_id.startswith("speed-profile-"))  # the decode passes' rows
+        return execute(sched)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    profile_speed(runner, SpeedPasses(budget=32, top=8, context=40))
+    assert len(rows) >= 1 + 8 and all(rows), rows
