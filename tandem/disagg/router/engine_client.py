@@ -111,10 +111,6 @@ class EngineClient(EngineLoad):
             return {"status": "ok", "reasons": []}
         return {"status": "unhealthy", "reasons": [self.dead or "engine is not running"]}
 
-    def capacity(self) -> int:
-        """Sequences the engine runs at once (its max_num_seqs; a cluster's, summed over decode workers)."""
-        return self.info.max_num_seqs if self.info is not None else 1
-
     def _set_stats(self, stats: CoreStats | None) -> None:
         self.stats = stats
         if stats is not None:

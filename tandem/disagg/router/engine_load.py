@@ -47,16 +47,12 @@ class EngineLoad:
     step_budget: int
 
     def capacity(self) -> int:
+        """Sequences the engine runs at once."""
         raise NotImplementedError
 
     def shape(self) -> EngineShape | None:
-        """The engine's measured step times and limits, for deadline predictions (None: not profiled,
-        as a cluster's router is not: its workers differ and its path choice predicts per worker)."""
-        if self.info is None or self.info.speed is None:
-            return None
-        live = self.stats.speed if self.stats is not None else None
-        return EngineShape(live or self.info.speed, 1.0, self.step_budget, self.info.max_num_seqs,
-                           self.info.contended_prefill_chunk)
+        """The engine's measured step times and limits, for deadline predictions (None: none measured)."""
+        raise NotImplementedError
 
     def _block_keys(self, prompt_ids: list[int], salt: str | None) -> list[int]:
         info = self.info
