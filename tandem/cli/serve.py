@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from tandem.cli.cluster import disaggregated_engine
@@ -27,14 +28,20 @@ def parse_weights(items: list[str]) -> dict[str, float]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.serve.startup import bind_port
+
+    with bind_port(args.host, args.port) as http_socket:  # before a minute of loading, not after
+        return _serve(args, http_socket)
+
+
+def _serve(args: argparse.Namespace, http_socket: socket.socket) -> int:
     import signal
     from pathlib import Path
 
     from tandem.logs import startup
-    from tandem.serve.startup import check_memory, check_port
+    from tandem.serve.startup import check_memory
     from tandem.slo import Slo
 
-    check_port(args.host, args.port)  # before a minute of loading, not after
     # The KV pools this host will hold: its local workers', or the one core's (a bare router holds none).
     pools = 0 if args.ray else (args.prefill_workers + args.decode_workers + args.workers or int(not args.router_bind))
     if args.num_blocks is None and pools:
@@ -100,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                              timeout_graceful_shutdown=args.graceful_shutdown_timeout,
                                              log_config=None), model, bool(keys))
     try:
-        server.run()
+        server.run(sockets=[http_socket])
     finally:
         if owned_shm is not None and os.path.exists(owned_shm):
             os.unlink(owned_shm)

@@ -13,24 +13,29 @@ import uvicorn
 from tandem.logs import startup
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail now, not after a minute of loading, when the address cannot be bound."""
+def bind_port(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound now (uvicorn listens on it once the app is built): a taken port fails
+    before a minute of loading, not after, and no port this process picks meanwhile (the router's
+    for its workers) can be the one it was asked to serve on."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"port {port} on {host} is in use: stop what holds it or pick another with "
-                                 "--port") from None
-            if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                raise ValueError(f"--host {host}: not an address of this machine") from None
-            if e.errno == errno.EACCES:
-                raise ValueError(f"--port {port}: binding it needs privileges; use a port above 1023") from None
-            raise ValueError(f"cannot serve on {host}:{port} (--host, --port): {e.strerror}") from None
-        except socket.gaierror as e:
-            raise ValueError(f"--host {host}: {e.strerror}") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+    try:
+        s.bind((host, port))
+        return s
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use: stop what holds it or pick another with "
+                             "--port") from None
+        if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            raise ValueError(f"--host {host}: not an address of this machine") from None
+        if e.errno == errno.EACCES:
+            raise ValueError(f"--port {port}: binding it needs privileges; use a port above 1023") from None
+        raise ValueError(f"cannot serve on {host}:{port} (--host, --port): {e.strerror}") from None
+    except socket.gaierror as e:
+        s.close()
+        raise ValueError(f"--host {host}: {e.strerror}") from None
 
 
 def check_memory(kv_cache_memory_gib: float, num_engines: int) -> None:
