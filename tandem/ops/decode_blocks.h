@@ -45,6 +45,27 @@ TANDEM_INLINE void block_scores(const QT* q, int64_t G, const T* k, int64_t row_
       pf.issue();
     }
   }
+#elif defined(TANDEM_AVX2)
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t c = std::min<int64_t>(8, n - t0);
+    [[maybe_unused]] __m256 ks;  // int8 rows: each token's scale, in its score's lane
+    if constexpr (kInt8Rows<T>) {
+      alignas(32) float scales[8] = {};
+      for (int64_t t = 0; t < c; ++t) scales[t] = row_scale(k + (t0 + t) * row_stride, d);
+      ks = _mm256_load_ps(scales);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t)  // rows past n are not read (they may hold anything)
+        acc[t] = t < c ? dot_lanes8(q + g * d, k + (t0 + t) * row_stride, d) : _mm256_setzero_ps();
+      __m256 s = _mm256_mul_ps(hsum8(acc), sc);
+      if constexpr (kInt8Rows<T>) s = _mm256_mul_ps(s, ks);
+      _mm256_storeu_ps(scores + g * s_stride + t0, s);  // lanes past n hold 0 (the store may overhang)
+      pf.issue();
+    }
+  }
 #else
   for (int64_t t = 0; t < n; ++t) {
     const T* kr = k + t * row_stride;
@@ -82,6 +103,30 @@ TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
     sum = _mm512_add_ps(sum, p);
   }
   const float total = _mm512_reduce_add_ps(sum);
+#elif defined(TANDEM_AVX2)
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = neg_inf;
+  for (int64_t t = 0; t < n; t += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + t),
+                                                 _mm256_castsi256_ps(lane_mask8(n - t))));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float m_new = std::max(m, _mm_cvtss_f32(m4));
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    // A masked score (-inf, a causal prefill's future key) and lanes past n get weight exactly 0.
+    const __m256 sv = _mm256_loadu_ps(s + t);
+    const __m256 live = _mm256_and_ps(_mm256_castsi256_ps(lane_mask8(n - t)), _mm256_cmp_ps(sv, neg_inf, _CMP_NEQ_OQ));
+    const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(sv, mv)));
+    _mm256_storeu_ps(s + t, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  const float total = _mm_cvtss_f32(s4);
 #else
   float bm = kNegInf;
   for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
@@ -119,6 +164,37 @@ TANDEM_INLINE void accumulate_v_f32(float* acc, int64_t acc_stride, const float*
     }
     for (int g = 0; g < GB; ++g) _mm512_storeu_ps(acc + g * acc_stride + i, a[g]);
     pf.issue();
+  }
+}
+#endif
+
+#if defined(TANDEM_AVX2)
+// acc[g] += sum_t p[g][t] * v[t] over the n rows of one block, head by head, 64 dimensions (eight
+// accumulators, half of AVX2's registers) at a time: a block's V rows stay in L1 for the next head.
+template <typename T>
+TANDEM_INLINE void accumulate_v_avx2(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const T* v,
+                                     int64_t n, int64_t row_stride, int64_t G, int64_t d, Prefetcher& pf) {
+  for (int64_t i0 = 0; i0 < d; i0 += 64) {
+    const int64_t nv = std::min<int64_t>(64, d - i0) / 8;  // d is a multiple of 16
+    for (int64_t g = 0; g < G; ++g) {
+      float* ag = acc + g * acc_stride + i0;
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[j] = j < nv ? _mm256_loadu_ps(ag + 8 * j) : _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const T* vt = v + t * row_stride;
+        float w = p[g * p_stride + t];
+        if constexpr (kInt8Rows<T>) w *= row_scale(vt, d);  // p * s * q: the row's scale in its weight
+        const __m256 pw = _mm256_set1_ps(w);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          if (j < nv) a[j] = _mm256_fmadd_ps(pw, load8(vt + i0 + 8 * j), a[j]);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        if (j < nv) _mm256_storeu_ps(ag + 8 * j, a[j]);
+      pf.issue();
+    }
   }
 }
 #endif
@@ -212,6 +288,8 @@ TANDEM_INLINE void block_accumulate(float* acc, int64_t acc_stride, const float*
                                             row_stride, d, pf);
     });
   }
+#elif defined(TANDEM_AVX2)
+  accumulate_v_avx2(acc, acc_stride, p, p_stride, v, n, row_stride, G, d, pf);
 #else
   for (int64_t t = 0; t < n; ++t) {
     const T* vt = v + t * row_stride;

@@ -111,6 +111,34 @@ TANDEM_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 
 #endif  // __AVX512F__
 
+#if defined(TANDEM_AVX2)
+// Lane t of the result is the horizontal sum of v[t] (8 vectors of 8): pairwise adds within 128-bit
+// halves, then the halves folded.
+inline __m256 hsum8(const __m256 (&v)[8]) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // [v0..v3 | v0..v3], [v4..v7 | v4..v7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// Unreduced q.k: a vector whose lanes sum to the dot product (d a multiple of 8).
+template <typename T>
+TANDEM_INLINE __m256 dot_lanes8(const float* q, const T* k, int64_t d) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  for (int64_t i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  return acc;
+}
+#endif  // TANDEM_AVX2
+
+// Tokens whose q.k scores block_scores computes together (one vector of them).
+#if defined(__AVX512F__)
+constexpr int64_t kScoreLanes = 16;
+#elif defined(TANDEM_AVX2)
+constexpr int64_t kScoreLanes = 8;
+#else
+constexpr int64_t kScoreLanes = 1;
+#endif
+
 // The query operand is kept as float, except on the AVX512-BF16 path where the bf16 query feeds
 // dpbf16 directly.
 template <typename T>

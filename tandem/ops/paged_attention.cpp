@@ -137,10 +137,14 @@ void run_item(const Params& P, const Item& it, Scratch<KV>& S) {
   const int64_t row_bytes = n_kv * HS * static_cast<int64_t>(sizeof(KV));
   const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(KV));
   Prefetcher pf;
-  // issue() calls per step: block_scores makes one per (kv head, 16 tokens, head); the V pass one
-  // per (kv head, head chunk, 32 dims) (16 dims without the pair path).
-  const int64_t k_calls = n_kv * ((BS + 15) / 16) * G;
+  // issue() calls per step: block_scores makes one per (kv head, kScoreLanes tokens, head); the V pass one
+  // per (kv head, head chunk, 32 dims) (16 dims without the pair path; AVX2: per head and 64 dims).
+  const int64_t k_calls = n_kv * ((BS + kScoreLanes - 1) / kScoreLanes) * G;
+#if defined(TANDEM_AVX2)
+  const int64_t v_calls = n_kv * G * ((D + 63) / 64);  // accumulate_v_avx2's: per head and 64 dims
+#else
   const int64_t v_calls = n_kv * ((G + kHeadChunk - 1) / kHeadChunk) * ((D + 31) / 32) * (kPairV<KV> ? 1 : 2);
+#endif
   // Queue step s's region, spread over `calls` issue() calls (those of the step now starting).
   auto prefetch_step = [&](int64_t s, int64_t calls) {
     if (s >= n_steps) return;
@@ -394,6 +398,8 @@ std::string isa() {
   return "avx512-bf16";
 #elif defined(__AVX512F__)
   return "avx512f";
+#elif defined(TANDEM_AVX2)
+  return "avx2";
 #else
   return "portable";
 #endif
