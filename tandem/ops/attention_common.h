@@ -69,6 +69,18 @@ TANDEM_INLINE __m512 soft_cap16(__m512 x, float cap) {
 }
 #endif
 
+#if defined(TANDEM_AVX2)
+// soft_cap16's 8 lanes.
+TANDEM_INLINE __m256 soft_cap8(__m256 x, float cap) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 y = _mm256_div_ps(x, _mm256_set1_ps(cap));
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, y), _mm256_set1_ps(-2.0f)));
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_or_ps(t, _mm256_and_ps(sign_bit, y)));
+}
+#endif
+
 // Gemma-style logit soft-capping of already-scaled scores: cap * tanh(s / cap) (cap > 0).
 TANDEM_INLINE void soft_cap_scores(float* s, int64_t n, float cap) {
   for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);

@@ -68,15 +68,15 @@ def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when paged_prefill_attention can serve these inputs (loads the extension if needed).
-    The prefill kernel is AVX512-only; a portable build leaves prefill to the caller's fallback. It
-    reads caches in q's dtype only (an int8 pool's blocks are dequantized for it by the caller)."""
+    The prefill kernel is built for AVX512 and AVX2 + FMA; a portable build leaves prefill to the caller's
+    fallback. It reads caches in q's dtype only (an int8 pool's blocks are dequantized for it by the caller)."""
     return (_kernel_supports(q, k_cache, v_cache) and extension.op("paged_prefill_attention") is not None
-            and _built_with_avx512())
+            and _built_with_prefill_tiles())
 
 
 @functools.cache
-def _built_with_avx512() -> bool:
-    return extension.extension_isa() in ("avx512f", "avx512-bf16")
+def _built_with_prefill_tiles() -> bool:
+    return extension.extension_isa() in ("avx2", "avx512f", "avx512-bf16")
 
 
 def paged_prefill_attention(

@@ -10,8 +10,8 @@
 // Unlike decode this is compute-bound, so the design is about reuse: a work item is (sequence,
 // kv head, 16 query rows), a row being one query and one of the query heads that share the kv
 // head, and every K/V element the item reads is used for all 16 rows at once (one vector). Items
-// are handed out longest-first from a shared counter. AVX512 only: elsewhere the caller uses its
-// PyTorch fallback (see prefill_kernel_supports).
+// are handed out longest-first from a shared counter. AVX512 tiles hold 16 rows, AVX2 + FMA tiles 8;
+// a portable build leaves prefill to the caller's PyTorch fallback (see prefill_kernel_supports).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -204,7 +204,145 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 }
 #endif  // __AVX512F__
 
+#if defined(TANDEM_AVX2)
+// =============================================================================================
+// AVX2 + FMA: the same tiles, 8 query rows per vector (float math whatever the storage)
+// =============================================================================================
+constexpr int64_t kKeyChunk8 = 64;  // keys per online-softmax update
+constexpr int64_t kKeyGroup8 = 8;   // keys scored at once: 8 accumulators and q's vector in 16 registers
 
+struct TileItem8 {
+  int32_t seq, kvh;
+  int32_t r0, nr;  // rows [r0, r0 + nr) of the sequence's (query, head-in-group) rows, nr <= 8
+};
+
+struct TileScratch8 {
+  std::vector<float> qf, kf, st, vf, o;  // as TileScratch, 8 rows wide
+  explicit TileScratch8(int64_t d) : qf(d * 8), kf(kKeyGroup8 * d), st(kKeyChunk8 * 8), vf(kKeyChunk8 * d), o(d * 8) {}
+};
+
+template <typename T>
+TANDEM_INLINE void widen_row8(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+}
+
+// x, with v in the lanes drop sets.
+TANDEM_INLINE __m256 where_not(__m256i drop, __m256 x, __m256 v) { return _mm256_blendv_ps(x, v, _mm256_castsi256_ps(drop)); }
+
+template <typename T, int DC>
+void run_tile8(const PrefillParams& P, const TileItem8& it, TileScratch8& S) {
+  const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
+  const int64_t row_stride = P.kvh * D, block_stride = BS * row_stride;
+  const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
+  const int64_t context = P.seq_lens[it.seq] - q_len;
+  const int64_t first_pos = context + it.r0 / G, n_keys = context + (it.r0 + it.nr - 1) / G + 1;
+  const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
+  const int32_t* bt = P.block_tables + static_cast<int64_t>(it.seq) * P.max_blocks;
+  const T* kbase = static_cast<const T*>(P.k) + it.kvh * D;
+  const T* vbase = static_cast<const T*>(P.v) + it.kvh * D;
+  auto key_row = [&](const T* base, int64_t t) { return base + bt[t / BS] * block_stride + (t % BS) * row_stride; };
+
+  alignas(32) int32_t pos[8];
+  std::fill(S.qf.begin(), S.qf.end(), 0.0f);
+  for (int64_t r = 0; r < 8; ++r) {
+    const int64_t row = it.r0 + std::min<int64_t>(r, it.nr - 1);  // padding lanes repeat the last row's position
+    pos[r] = static_cast<int32_t>(context + row / G);
+    if (r >= it.nr) continue;
+    const T* src = static_cast<const T*>(P.q) + (qs + row / G) * P.q_stride + (it.kvh * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) S.qf[d * 8 + r] = static_cast<float>(src[d]);
+  }
+  const __m256i posv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pos));
+  const __m256 scale = _mm256_set1_ps(P.scale), neg_inf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
+  __m256 m = neg_inf, l = zero;
+  std::fill(S.o.begin(), S.o.end(), 0.0f);
+
+  for (int64_t key0 = lo_key; key0 < n_keys; key0 += kKeyChunk8) {
+    const int64_t nt = std::min(kKeyChunk8, n_keys - key0);
+    for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup8) {
+      for (int64_t j = 0; j < kKeyGroup8; ++j)  // past the chunk: any valid row, never stored
+        widen_row8(key_row(kbase, key0 + std::min(j0 + j, nt - 1)), S.kf.data() + j * D, D);
+      __m256 acc[kKeyGroup8];
+      for (int64_t j = 0; j < kKeyGroup8; ++j) acc[j] = zero;
+#pragma GCC unroll 4
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 qd = _mm256_loadu_ps(S.qf.data() + d * 8);
+        for (int64_t j = 0; j < kKeyGroup8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(S.kf[j * D + d]), acc[j]);
+      }
+      for (int64_t j = 0; j < kKeyGroup8 && j0 + j < nt; ++j) {
+        const int64_t t = key0 + j0 + j;
+        __m256 sc = _mm256_mul_ps(acc[j], scale);
+        if (P.softcap > 0.0f) sc = soft_cap8(sc, P.softcap);
+        if (t > first_pos) sc = where_not(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(t)), posv), sc, neg_inf);
+        if (P.window > 0 && t + P.window <= n_keys - 1)  // outside the window of the rows at t + window or later
+          sc = where_not(_mm256_cmpgt_epi32(posv, _mm256_set1_epi32(static_cast<int>(t + P.window - 1))), sc, neg_inf);
+        _mm256_storeu_ps(S.st.data() + (j0 + j) * 8, sc);
+      }
+    }
+    // Online softmax, elementwise over the 8 rows; a row's state stays zero until its window starts.
+    __m256 cmax = neg_inf;
+    for (int64_t t = 0; t < nt; ++t) cmax = _mm256_max_ps(cmax, _mm256_loadu_ps(S.st.data() + t * 8));
+    const __m256 m_new = _mm256_max_ps(m, cmax);
+    const __m256 alpha = _mm256_and_ps(_mm256_cmp_ps(m, neg_inf, _CMP_NEQ_OQ), exp256(_mm256_sub_ps(m, m_new)));
+    __m256 sum = zero;
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 sv = _mm256_loadu_ps(S.st.data() + t * 8);
+      const __m256 p = _mm256_and_ps(_mm256_cmp_ps(sv, neg_inf, _CMP_NEQ_OQ), exp256(_mm256_sub_ps(sv, m_new)));
+      _mm256_storeu_ps(S.st.data() + t * 8, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    l = _mm256_fmadd_ps(l, alpha, sum);
+    m = m_new;
+    for (int64_t t = 0; t < nt; ++t) widen_row8(key_row(vbase, key0 + t), S.vf.data() + t * D, D);
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(S.o.data() + (d0 + i) * 8), alpha);
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m256 pw = _mm256_loadu_ps(S.st.data() + t * 8);
+        const float* vt = S.vf.data() + t * D + d0;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pw, _mm256_set1_ps(vt[i]), acc[i]);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(S.o.data() + (d0 + i) * 8, acc[i]);
+    }
+  }
+
+  alignas(32) float inv[8];
+  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), l));
+  for (int64_t r = 0; r < it.nr; ++r) {
+    const int64_t row = it.r0 + r;
+    T* dst = static_cast<T*>(P.out) + ((qs + row / G) * P.heads + it.kvh * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(S.o[d * 8 + r] * inv[r]);
+  }
+}
+
+template <typename T>
+void run_prefill_tiles8(const PrefillParams& P, int64_t n_seqs) {
+  std::vector<TileItem8> items;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t rows = (P.query_start[s + 1] - P.query_start[s]) * P.group;
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+      for (int64_t h = 0; h < P.kvh; ++h)
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r0),
+                         static_cast<int32_t>(std::min<int64_t>(8, rows - r0))});
+  }
+  auto work = [&](const TileItem8& a) {  // keys seen by the tile's last row
+    const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
+    const int64_t last = context + (a.r0 + a.nr - 1) / P.group;
+    return P.window > 0 ? std::min<int64_t>(last, P.window + 8) : last;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const TileItem8& a, const TileItem8& b) { return work(a) > work(b); });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
+  auto item_fn = P.d == 64 ? &run_tile8<T, 64> : P.d == 128 ? &run_tile8<T, 128> : &run_tile8<T, 0>;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    TileScratch8 scratch(P.d);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      item_fn(P, items[i], scratch);
+  });
+}
+#endif  // TANDEM_AVX2
 
 }  // namespace
 
@@ -247,8 +385,10 @@ at::Tensor& paged_prefill_attention_out(const at::Tensor& q_in, const at::Tensor
     run_prefill_brgemm(P, N);
   else
     run_prefill_tiles<bf16>(P, N);
+#elif defined(TANDEM_AVX2)
+  q.scalar_type() == at::kFloat ? run_prefill_tiles8<float>(P, N) : run_prefill_tiles8<bf16>(P, N);
 #else
-  TORCH_CHECK(false, "paged_prefill_attention: this build has no AVX512 (use the PyTorch fallback)");
+  TORCH_CHECK(false, "paged_prefill_attention: this build has neither AVX512 nor AVX2 (use the PyTorch fallback)");
 #endif
   return out;
 }
