@@ -109,10 +109,7 @@ TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
   for (int64_t t = 0; t < n; t += 8)
     vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + t),
                                                  _mm256_castsi256_ps(lane_mask8(n - t))));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float m_new = std::max(m, _mm_cvtss_f32(m4));
+  const float m_new = std::max(m, reduce_max8(vmax));
   const __m256 mv = _mm256_set1_ps(m_new);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; t += 8) {
@@ -123,10 +120,7 @@ TANDEM_INLINE float softmax_update(float* s, int64_t n, float& m, float& l) {
     _mm256_storeu_ps(s + t, p);
     sum = _mm256_add_ps(sum, p);
   }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-  const float total = _mm_cvtss_f32(s4);
+  const float total = reduce_add8(sum);
 #else
   float bm = kNegInf;
   for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);

@@ -8,10 +8,10 @@
 // table, and the causal limit is applied to the scores of the blocks that cross the diagonal.
 //
 // Unlike decode this is compute-bound, so the design is about reuse: a work item is (sequence,
-// kv head, 16 query rows), a row being one query and one of the query heads that share the kv
-// head, and every K/V element the item reads is used for all 16 rows at once (one vector). Items
-// are handed out longest-first from a shared counter. AVX512 tiles hold 16 rows, AVX2 + FMA tiles 8;
-// a portable build leaves prefill to the caller's PyTorch fallback (see prefill_kernel_supports).
+// kv head, R query rows), a row being one query and one of the query heads that share the kv
+// head, and every K/V element the item reads is used for all R rows at once (one vector: R is 16
+// with AVX512, 8 with AVX2 + FMA). Items are handed out longest-first from a shared counter. A
+// build with neither leaves prefill to the caller's PyTorch fallback (see prefill_kernel_supports).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +48,58 @@ void validate(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
   }
 }
 
+#if defined(__AVX512F__) || defined(TANDEM_AVX2)
+// =============================================================================================
+// Tiles of R query rows, R the vector's lanes (16 with AVX512, 8 with AVX2 + FMA)
+// =============================================================================================
+constexpr int64_t kKeyChunk = 64;  // keys per online-softmax update
+constexpr int64_t kKeyGroup = 8;   // keys whose scores are accumulated at once (independent chains)
+
+struct TileItem {
+  int32_t seq, kvh;
+  int32_t r0, nr;  // rows [r0, r0 + nr) of the sequence's (query, head-in-group) rows, nr <= R
+};
+
+template <int64_t R>
+struct TileScratch {
+  std::vector<float> qf;  // [D][R]: the rows' queries, transposed
+  std::vector<float> kf;  // [kKeyGroup][D]: keys being scored, widened
+  std::vector<float> st;  // [kKeyChunk][R]: a chunk's scores, then weights
+  std::vector<float> vf;  // [kKeyChunk][D]: the chunk's values, widened
+  std::vector<float> o;   // [D][R]: output accumulators, transposed
+  explicit TileScratch(int64_t d) : qf(d * R), kf(kKeyGroup * d), st(kKeyChunk * R), vf(kKeyChunk * d), o(d * R) {}
+};
+
+// Every (sequence, kv head, R rows) item, handed out longest-first from a shared counter to
+// tile(P, item, scratch), the ISA's tile for the head dim.
+template <int64_t R, typename Tile>
+void run_tiles(const PrefillParams& P, int64_t n_seqs, Tile tile) {
+  std::vector<TileItem> items;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t rows = (P.query_start[s + 1] - P.query_start[s]) * P.group;
+    for (int64_t r0 = 0; r0 < rows; r0 += R)
+      for (int64_t h = 0; h < P.kvh; ++h)
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r0),
+                         static_cast<int32_t>(std::min<int64_t>(R, rows - r0))});
+  }
+  auto work = [&](const TileItem& a) {  // keys seen by the tile's last row
+    const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
+    const int64_t last = context + (a.r0 + a.nr - 1) / P.group;
+    return P.window > 0 ? std::min<int64_t>(last, P.window + R) : last;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const TileItem& a, const TileItem& b) { return work(a) > work(b); });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    TileScratch<R> scratch(P.d);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      tile(P, items[i], scratch);
+  });
+}
+#endif
+
 #if defined(__AVX512F__)
 // =============================================================================================
 // AVX512: 16 query rows per vector
@@ -60,31 +112,13 @@ void validate(const PrefillParams& P, int64_t n_seqs, int64_t num_blocks) {
 // tiles serve float32, and bf16 only where the CPU lacks AVX512-BF16 (bf16 otherwise takes the brgemm
 // path). Keys and values are widened once per item and chunk, into buffers that stay in L1.
 
-constexpr int64_t kKeyChunk = 64;  // keys per online-softmax update
-constexpr int64_t kKeyGroup = 8;   // keys whose scores are accumulated at once (independent chains)
-
-struct TileItem {
-  int32_t seq, kvh;
-  int32_t r0, nr;  // rows [r0, r0 + nr) of the sequence's (query, head-in-group) rows, nr <= 16
-};
-
-struct TileScratch {
-  std::vector<float> qf;  // [D][16]: the rows' queries, transposed
-  std::vector<float> kf;  // [kKeyGroup][D]: keys being scored, widened
-  std::vector<float> st;  // [kKeyChunk][16]: a chunk's scores, then weights
-  std::vector<float> vf;  // [kKeyChunk][D]: the chunk's values, widened
-  std::vector<float> o;   // [D][16]: output accumulators, transposed
-  explicit TileScratch(int64_t d)
-      : qf(d * 16), kf(kKeyGroup * d), st(kKeyChunk * 16), vf(kKeyChunk * d), o(d * 16) {}
-};
-
 template <typename T>
 TANDEM_INLINE void widen_row(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 }
 
 template <typename T, int DC>
-void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
+void run_tile(const PrefillParams& P, const TileItem& it, TileScratch<16>& S) {
   const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
   const int64_t row_stride = P.kvh * D, block_stride = BS * row_stride;
   const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
@@ -177,30 +211,7 @@ void run_tile(const PrefillParams& P, const TileItem& it, TileScratch& S) {
 
 template <typename T>
 void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
-  std::vector<TileItem> items;
-  for (int64_t s = 0; s < n_seqs; ++s) {
-    const int64_t rows = (P.query_start[s + 1] - P.query_start[s]) * P.group;
-    for (int64_t r0 = 0; r0 < rows; r0 += 16)
-      for (int64_t h = 0; h < P.kvh; ++h)
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r0),
-                         static_cast<int32_t>(std::min<int64_t>(16, rows - r0))});
-  }
-  auto work = [&](const TileItem& a) {  // keys seen by the tile's last row
-    const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
-    const int64_t last = context + (a.r0 + a.nr - 1) / P.group;
-    return P.window > 0 ? std::min<int64_t>(last, P.window + 16) : last;
-  };
-  std::stable_sort(items.begin(), items.end(), [&](const TileItem& a, const TileItem& b) { return work(a) > work(b); });
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
-  auto item_fn = P.d == 64 ? &run_tile<T, 64> : P.d == 128 ? &run_tile<T, 128> : &run_tile<T, 0>;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    TileScratch scratch(P.d);
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      item_fn(P, items[i], scratch);
-  });
+  run_tiles<16>(P, n_seqs, P.d == 64 ? &run_tile<T, 64> : P.d == 128 ? &run_tile<T, 128> : &run_tile<T, 0>);
 }
 #endif  // __AVX512F__
 
@@ -208,19 +219,6 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 // =============================================================================================
 // AVX2 + FMA: the same tiles, 8 query rows per vector (float math whatever the storage)
 // =============================================================================================
-constexpr int64_t kKeyChunk8 = 64;  // keys per online-softmax update
-constexpr int64_t kKeyGroup8 = 8;   // keys scored at once: 8 accumulators and q's vector in 16 registers
-
-struct TileItem8 {
-  int32_t seq, kvh;
-  int32_t r0, nr;  // rows [r0, r0 + nr) of the sequence's (query, head-in-group) rows, nr <= 8
-};
-
-struct TileScratch8 {
-  std::vector<float> qf, kf, st, vf, o;  // as TileScratch, 8 rows wide
-  explicit TileScratch8(int64_t d) : qf(d * 8), kf(kKeyGroup8 * d), st(kKeyChunk8 * 8), vf(kKeyChunk8 * d), o(d * 8) {}
-};
-
 template <typename T>
 TANDEM_INLINE void widen_row8(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
@@ -230,7 +228,7 @@ TANDEM_INLINE void widen_row8(const T* src, float* dst, int64_t d) {
 TANDEM_INLINE __m256 where_not(__m256i drop, __m256 x, __m256 v) { return _mm256_blendv_ps(x, v, _mm256_castsi256_ps(drop)); }
 
 template <typename T, int DC>
-void run_tile8(const PrefillParams& P, const TileItem8& it, TileScratch8& S) {
+void run_tile8(const PrefillParams& P, const TileItem& it, TileScratch<8>& S) {
   const int64_t G = P.group, D = DC > 0 ? DC : P.d, BS = P.bs;
   const int64_t row_stride = P.kvh * D, block_stride = BS * row_stride;
   const int64_t qs = P.query_start[it.seq], q_len = P.query_start[it.seq + 1] - qs;
@@ -256,19 +254,19 @@ void run_tile8(const PrefillParams& P, const TileItem8& it, TileScratch8& S) {
   __m256 m = neg_inf, l = zero;
   std::fill(S.o.begin(), S.o.end(), 0.0f);
 
-  for (int64_t key0 = lo_key; key0 < n_keys; key0 += kKeyChunk8) {
-    const int64_t nt = std::min(kKeyChunk8, n_keys - key0);
-    for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup8) {
-      for (int64_t j = 0; j < kKeyGroup8; ++j)  // past the chunk: any valid row, never stored
+  for (int64_t key0 = lo_key; key0 < n_keys; key0 += kKeyChunk) {
+    const int64_t nt = std::min(kKeyChunk, n_keys - key0);
+    for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup) {
+      for (int64_t j = 0; j < kKeyGroup; ++j)  // past the chunk: any valid row, never stored
         widen_row8(key_row(kbase, key0 + std::min(j0 + j, nt - 1)), S.kf.data() + j * D, D);
-      __m256 acc[kKeyGroup8];
-      for (int64_t j = 0; j < kKeyGroup8; ++j) acc[j] = zero;
+      __m256 acc[kKeyGroup];
+      for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = zero;
 #pragma GCC unroll 4
       for (int64_t d = 0; d < D; ++d) {
         const __m256 qd = _mm256_loadu_ps(S.qf.data() + d * 8);
-        for (int64_t j = 0; j < kKeyGroup8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(S.kf[j * D + d]), acc[j]);
+        for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(S.kf[j * D + d]), acc[j]);
       }
-      for (int64_t j = 0; j < kKeyGroup8 && j0 + j < nt; ++j) {
+      for (int64_t j = 0; j < kKeyGroup && j0 + j < nt; ++j) {
         const int64_t t = key0 + j0 + j;
         __m256 sc = _mm256_mul_ps(acc[j], scale);
         if (P.softcap > 0.0f) sc = soft_cap8(sc, P.softcap);
@@ -317,30 +315,7 @@ void run_tile8(const PrefillParams& P, const TileItem8& it, TileScratch8& S) {
 
 template <typename T>
 void run_prefill_tiles8(const PrefillParams& P, int64_t n_seqs) {
-  std::vector<TileItem8> items;
-  for (int64_t s = 0; s < n_seqs; ++s) {
-    const int64_t rows = (P.query_start[s + 1] - P.query_start[s]) * P.group;
-    for (int64_t r0 = 0; r0 < rows; r0 += 8)
-      for (int64_t h = 0; h < P.kvh; ++h)
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r0),
-                         static_cast<int32_t>(std::min<int64_t>(8, rows - r0))});
-  }
-  auto work = [&](const TileItem8& a) {  // keys seen by the tile's last row
-    const int64_t context = P.seq_lens[a.seq] - (P.query_start[a.seq + 1] - P.query_start[a.seq]);
-    const int64_t last = context + (a.r0 + a.nr - 1) / P.group;
-    return P.window > 0 ? std::min<int64_t>(last, P.window + 8) : last;
-  };
-  std::stable_sort(items.begin(), items.end(), [&](const TileItem8& a, const TileItem8& b) { return work(a) > work(b); });
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), n_items);
-  auto item_fn = P.d == 64 ? &run_tile8<T, 64> : P.d == 128 ? &run_tile8<T, 128> : &run_tile8<T, 0>;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    TileScratch8 scratch(P.d);
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      item_fn(P, items[i], scratch);
-  });
+  run_tiles<8>(P, n_seqs, P.d == 64 ? &run_tile8<T, 64> : P.d == 128 ? &run_tile8<T, 128> : &run_tile8<T, 0>);
 }
 #endif  // TANDEM_AVX2
 
