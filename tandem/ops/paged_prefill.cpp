@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace tandem_ops {
@@ -219,9 +220,16 @@ void run_prefill_tiles(const PrefillParams& P, int64_t n_seqs) {
 // =============================================================================================
 // AVX2 + FMA: the same tiles, 8 query rows per vector (float math whatever the storage)
 // =============================================================================================
+// A row as floats: a float row where it lies in the pool (its elements are broadcast one at a time,
+// so a copy would only add loads and stores), others widened into dst.
 template <typename T>
-TANDEM_INLINE void widen_row8(const T* src, float* dst, int64_t d) {
-  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+TANDEM_INLINE const float* as_floats(const T* src, float* dst, int64_t d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+    return dst;
+  }
 }
 
 // x, with v in the lanes drop sets.
@@ -257,14 +265,15 @@ void run_tile8(const PrefillParams& P, const TileItem& it, TileScratch<8>& S) {
   for (int64_t key0 = lo_key; key0 < n_keys; key0 += kKeyChunk) {
     const int64_t nt = std::min(kKeyChunk, n_keys - key0);
     for (int64_t j0 = 0; j0 < nt; j0 += kKeyGroup) {
+      const float* kr[kKeyGroup];
       for (int64_t j = 0; j < kKeyGroup; ++j)  // past the chunk: any valid row, never stored
-        widen_row8(key_row(kbase, key0 + std::min(j0 + j, nt - 1)), S.kf.data() + j * D, D);
+        kr[j] = as_floats(key_row(kbase, key0 + std::min(j0 + j, nt - 1)), S.kf.data() + j * D, D);
       __m256 acc[kKeyGroup];
       for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = zero;
 #pragma GCC unroll 4
       for (int64_t d = 0; d < D; ++d) {
         const __m256 qd = _mm256_loadu_ps(S.qf.data() + d * 8);
-        for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(S.kf[j * D + d]), acc[j]);
+        for (int64_t j = 0; j < kKeyGroup; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(kr[j][d]), acc[j]);
       }
       for (int64_t j = 0; j < kKeyGroup && j0 + j < nt; ++j) {
         const int64_t t = key0 + j0 + j;
@@ -290,13 +299,14 @@ void run_tile8(const PrefillParams& P, const TileItem& it, TileScratch<8>& S) {
     }
     l = _mm256_fmadd_ps(l, alpha, sum);
     m = m_new;
-    for (int64_t t = 0; t < nt; ++t) widen_row8(key_row(vbase, key0 + t), S.vf.data() + t * D, D);
+    const float* vr[kKeyChunk];
+    for (int64_t t = 0; t < nt; ++t) vr[t] = as_floats(key_row(vbase, key0 + t), S.vf.data() + t * D, D);
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
       __m256 acc[8];
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(S.o.data() + (d0 + i) * 8), alpha);
       for (int64_t t = 0; t < nt; ++t) {
         const __m256 pw = _mm256_loadu_ps(S.st.data() + t * 8);
-        const float* vt = S.vf.data() + t * D + d0;
+        const float* vt = vr[t] + d0;
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pw, _mm256_set1_ps(vt[i]), acc[i]);
       }
