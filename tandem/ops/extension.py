@@ -199,7 +199,8 @@ def extension_error() -> str | None:
 
 
 def extension_isa() -> str | None:
-    """Which code path the ops were compiled with: 'avx512-bf16', 'avx512f' or 'portable'."""
+    """Which code path the ops were compiled with: 'avx512-bf16', 'avx512f', 'avx2' (AVX2 + FMA)
+    or 'portable'."""
     if not load_extension(build=False):
         return None
     return str(torch.ops.tandem.isa())
