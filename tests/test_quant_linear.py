@@ -93,14 +93,17 @@ def test_kernel_matches_fallback_and_float_reference(arith: str, fmt: str, rows:
 @pytest.mark.parametrize("arith", ARITHMETICS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_row_is_the_same_whatever_the_batch_and_threads(arith: str, fmt: str) -> None:
-    """A row's output does not depend on which rows share its call (tiles of 8 or 4 rows and their tails)
-    nor on the thread count: bit for bit."""
+    """A row's output does not depend on which rows share its call (tiles of 8, 4, 2 or 1 rows meeting 1,
+    2, 4 or 8 weight rows, and their tails) nor on the thread count: bit for bit."""
     linear = op(ARITHMETICS[arith])
     w, _ = make_weight(fmt, 50, 128, seed=3)
-    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(11)])
+    x = torch.randn(23, 128, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(23)])
     together = linear(x, w.data, w.fmt.ggml_type, 128, None)
     assert torch.equal(alone, together)
+    for cuts in ((3, 10), (5, 11), (6, 20)):  # 3 = 2 + 1 rows, 7 = 4 + 2 + 1, 13 = 8 + 4 + 1, ...
+        parts = [x[a:b] for a, b in zip((0, *cuts), (*cuts, 23), strict=True)]
+        assert torch.equal(torch.cat([linear(p, w.data, w.fmt.ggml_type, 128, None) for p in parts]), together)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

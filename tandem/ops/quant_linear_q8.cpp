@@ -9,14 +9,17 @@
 //   unsigned q (Q4_0, Q4_1, Q5_0)   w = dw * q + mw        dot = dw * dx * sum(q * qx) + mw * sx
 //   signed q (Q8_0, MXFP4)          w = dw * q             dot = dw * dx * sum(|q| * sign(qx, q))
 // per block of 32 weights, which is one block of x.
-// Each output is the same function of its row of x whatever the batch. But rounding x to int8 is
+// Each output is the same function of its row of x whatever the batch: per block, acc += (dw * dx) * sum
+// and off += mw * sx in fused multiply-adds, blocks in order, then y = acc + off. But rounding x to int8 is
 // discontinuous: a one-ulp difference in x (another kernel's summation order upstream) can move a
-// value to the next integer, so this path is opt-in (--quantization gguf-q8); quant_linear.cpp keeps
-// x in float.
+// value to the next integer, so this path is opt-in (--quantization gguf-q8, or `auto` for large
+// models); quant_linear.cpp keeps x in float.
 //
-// Tiles of NR weight rows x MR activation rows keep MR * NR accumulators in registers; a tile's weight
-// rows (a few KB) stay in L1 while every activation row meets them, so W streams from memory once per
-// call. Threads split the weight rows.
+// With AVX2, a tile holds up to eight outputs (eight rows of x and one weight row for a prompt's chunk;
+// one row and eight weight rows for a decode step), one lane each: a block's integer sums of all eight
+// are reduced across lanes together, so the float steps (a conversion, a multiply, one or two FMAs)
+// are one per block for eight outputs rather than one per block and output. Threads split the weight
+// rows in groups that stay in L2 while every tile of x's rows meets them.
 //
 // q8_roundtrip (x quantized and dequantized as above) lets a caller with many rows run the same
 // arithmetic as one float32 GEMM (tandem/model/quant.py chooses).
@@ -40,20 +43,25 @@ namespace {
 
 using namespace gguf;
 
-// Activations quantized per block of 32: int8 values, the scale and the scaled sum of each block.
+// Activations quantized per block of 32: int8 values, the scale and the scaled sum of each block, the
+// scales and sums also by block ([nb][M], padded by a vector) so that a tile's rows' come in one load.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> d, s;
-  int64_t nb = 0;
+  std::vector<float> d, s;                    // [M][nb]
+  std::vector<float> d_by_block, s_by_block;  // [nb][M] + 8
+  int64_t nb = 0, M = 0;
 };
 
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t K = x.size(1);
   QuantizedRows r;
+  r.M = x.size(0);
   r.nb = K / kChunk;
-  r.q.resize(x.size(0) * K);
-  r.d.resize(x.size(0) * r.nb);
-  r.s.resize(x.size(0) * r.nb);
+  r.q.resize(r.M * K);
+  r.d.resize(r.M * r.nb);
+  r.s.resize(r.M * r.nb);
+  r.d_by_block.assign(r.M * r.nb + 8, 0.0f);
+  r.s_by_block.assign(r.M * r.nb + 8, 0.0f);
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
     for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
       int8_t* q = r.q.data() + b * kChunk;
@@ -61,19 +69,14 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
       int32_t sum = 0;
       for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
       r.s[b] = r.d[b] * static_cast<float>(sum);
+      r.d_by_block[(b - m * r.nb) * r.M + m] = r.d[b];
+      r.s_by_block[(b - m * r.nb) * r.M + m] = r.s[b];
     }
   });
   return r;
 }
 
 #if defined(TANDEM_QUANT_AVX2)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // A chunk's 32 quants as the unsigned bytes of the products: the quants or, for signed formats, their
 // magnitudes (signs move onto the activations).
 template <int64_t QT>
@@ -82,99 +85,129 @@ inline __m256i weight_bytes(__m256i q) {
   return q;
 }
 
+// A chunk's 32 products with a row of x, summed exactly into eight int32 lanes.
 template <int64_t QT>
-inline __m256 chunk_dot(__m256i w, __m256i q, const int8_t* qx, __m256i ones) {
+inline __m256i chunk_isum(__m256i w, __m256i q, const int8_t* qx) {
   __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
   if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, q);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  (void)ones;  // vpdpbusd: the four u8 x s8 products of each lane summed in one instruction
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);  // the four u8 x s8 products of a lane in one step
 #else
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 #endif
 }
 
-// A chunk's scale times x's, for each lane of chunk_dot (lanes 0-3 sum weights 0-15, lanes 4-7 16-31).
-template <int64_t QT>
-inline __m256 chunk_scale(const Scales<QT>& s, int c, float dx) {
-  if constexpr (kHalfScales<QT>) return _mm256_set_m128(_mm_set1_ps(s.d[c][1] * dx), _mm_set1_ps(s.d[c][0] * dx));
-  return _mm256_set1_ps(s.d[c][0] * dx);
+// Lane i * NR + j of a tile's vectors is row m0 + i and weight row n0 + j: x's value of MR consecutive
+// rows (p: [block][M], padded), each repeated NR times.
+template <int MR, int NR>
+inline __m256 rows_lanes(const float* p) {
+  if constexpr (MR == 1) return _mm256_set1_ps(p[0]);
+  const __m256 v = _mm256_loadu_ps(p);
+  if constexpr (NR == 1) return v;
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0 / NR, 1 / NR, 2 / NR, 3 / NR, 4 / NR, 5 / NR, 6 / NR, 7 / NR));
 }
 
-// out[i][j] = row (m0 + i) of x . weight row (n0 + j), for MR rows and NR weight rows.
+// ... and a weight row's value for each (values[j], repeated MR times).
+template <int MR, int NR>
+inline __m256 weight_lanes(const float* values) {
+  if constexpr (NR == 1) return _mm256_set1_ps(values[0]);
+  alignas(32) float lanes[8] = {};
+  for (int l = 0; l < MR * NR; ++l) lanes[l] = values[l % NR];
+  return _mm256_load_ps(lanes);
+}
+
+// Outputs rows m0 .. m0 + MR x weight rows n0 .. n0 + NR (MR * NR <= 8), one lane each. Every output
+// takes the same steps whatever its tile: per block of 32, the products summed exactly in integers,
+// then acc += (dw * dx) * sum and, for the formats with an offset, off += mw * sx (fused multiply-adds,
+// blocks in order), and y = acc + off. So a row's value does not depend on its batch or the thread count.
+// The integer sums of a block for all of a tile's outputs are reduced across lanes together
+// (lane_sums), one conversion and one FMA per block for eight outputs.
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
           float* y, int64_t N) {
-  static_assert(kSignedQuants<QT> || !kHalfScales<QT>, "an offset per half would need x's sums per half");
+  static_assert(MR * NR <= 8 && kChunks<QT> == 1, "one lane per output; blocks of one chunk");
   constexpr int64_t bb = kBlockBytes<QT>;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][NR];
-  float mins[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
-  const int64_t nb = a.nb;
-  // The weights stream from memory once per call: ask for the next tiles' bytes while this one
-  // computes (its rows are contiguous, NR * row_bytes).
-  const uint8_t* ahead = w + (n0 + kPrefetchTiles * NR) * row_bytes;
-  for (int64_t b = 0; b < K / kBlockWeights<QT>; ++b) {
-    for (int l = 0; l < kPrefetchLines<QT, NR>; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NR * bb + 64 * l), _MM_HINT_T0);
+  const int64_t M = a.M;
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  const int8_t* x0 = a.q.data() + m0 * K;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m256i q[NR], wb[NR], isum[8];
+    float dw[NR], mw[NR];
     for (int j = 0; j < NR; ++j) {
       const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
+      if constexpr (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(block + 8 * row_bytes), _MM_HINT_T0);
       const Scales<QT> s = block_scales<QT>(block);
-      for (int c = 0; c < kChunks<QT>; ++c) {
-        const __m256i q = chunk_quants<QT>(block, c);
-        const __m256i wq = weight_bytes<QT>(q);
-        const int64_t xb = b * kChunks<QT> + c;  // x's block of 32
-        for (int i = 0; i < MR; ++i) {
-          const int64_t row = m0 + i;
-          const __m256 dot = chunk_dot<QT>(wq, q, a.q.data() + row * K + xb * kChunk, ones);
-          acc[i][j] = _mm256_fmadd_ps(chunk_scale<QT>(s, c, a.d[row * nb + xb]), dot, acc[i][j]);
-          if constexpr (!kSignedQuants<QT>) mins[i][j] += s.m[c][0] * a.s[row * nb + xb];
-        }
-      }
+      dw[j] = s.d[0][0], mw[j] = s.m[0][0];
+      q[j] = chunk_quants<QT>(block, 0);
+      wb[j] = weight_bytes<QT>(q[j]);
     }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) isum[i * NR + j] = chunk_isum<QT>(wb[j], q[j], x0 + i * K + b * kChunk);
+    const __m256 sums = _mm256_cvtepi32_ps(lane_sums(isum, MR * NR));
+    const __m256 scale = _mm256_mul_ps(weight_lanes<MR, NR>(dw), rows_lanes<MR, NR>(a.d_by_block.data() + b * M + m0));
+    acc = _mm256_fmadd_ps(scale, sums, acc);
+    if constexpr (!kSignedQuants<QT>)
+      off = _mm256_fmadd_ps(weight_lanes<MR, NR>(mw), rows_lanes<MR, NR>(a.s_by_block.data() + b * M + m0), off);
   }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_add_ps(acc, off));
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + mins[i][j];
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = r[i * NR + j];
+}
+
+// Weight rows [n0, n1) times rows m0 .. m0 + MR of x, NR weight rows a tile and the rest fewer.
+template <int64_t QT, int MR, int NR>
+void across(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
+            int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile<QT, MR, NR>(w, row_bytes, a, K, m0, n, y, N);
+  if constexpr (NR > 1) across<QT, MR, NR / 2>(w, row_bytes, a, K, m0, n, n1, y, N);
+}
+
+// Threads split the weight rows in groups (about 128 KB of blocks, in L2); within a group, tiles of
+// eight rows of x (in L1 up to K = 2,048) meet each weight row in turn, then the rows left over meet
+// two, four or eight weight rows at a time.
+template <int64_t QT>
+void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t M, int64_t K, int64_t N, float* y) {
+  const int64_t threads = at::get_num_threads();
+  int64_t group = std::max<int64_t>(8, (128 << 10) / row_bytes);
+  group = std::min(group, (N + threads - 1) / threads);
+  group = std::max<int64_t>(8, (group + 7) / 8 * 8);
+  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * group, n1 = std::min(N, n0 + group);
+      int64_t m0 = 0;
+      for (; m0 + 8 <= M; m0 += 8) across<QT, 8, 1>(w, row_bytes, a, K, m0, n0, n1, y, N);
+      if (M - m0 >= 4) across<QT, 4, 2>(w, row_bytes, a, K, m0, n0, n1, y, N), m0 += 4;
+      if (M - m0 >= 2) across<QT, 2, 4>(w, row_bytes, a, K, m0, n0, n1, y, N), m0 += 2;
+      if (M - m0 == 1) across<QT, 1, 8>(w, row_bytes, a, K, m0, n0, n1, y, N);
+    }
+  });
 }
 #else
 // Portable: the same sums, one output at a time.
-template <int64_t QT, int MR, int NR>
-void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
-          float* y, int64_t N) {
-  constexpr int64_t bb = kBlockBytes<QT>;
-  for (int i = 0; i < MR; ++i) {
-    const int64_t row = m0 + i;
-    for (int j = 0; j < NR; ++j) {
-      float total = 0.0f;
-      for (int64_t b = 0; b < K / kBlockWeights<QT>; ++b) {
-        const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
-        const Scales<QT> s = block_scales<QT>(block);
-        for (int c = 0; c < kChunks<QT>; ++c) {
-          const int64_t xb = row * a.nb + b * kChunks<QT> + c;
-          const int8_t* qx = a.q.data() + xb * kChunk;
-          int32_t sum[2] = {0, 0};  // each half's
-          for (int64_t k = 0; k < kChunk; ++k) sum[k / 16] += chunk_quant<QT>(block, c, k) * qx[k];
-          if constexpr (kHalfScales<QT>) {
-            total += s.d[c][0] * a.d[xb] * static_cast<float>(sum[0]) + s.d[c][1] * a.d[xb] * static_cast<float>(sum[1]);
-          } else {
-            total += s.d[c][0] * a.d[xb] * static_cast<float>(sum[0] + sum[1]) + s.m[c][0] * a.s[xb];
-          }
-        }
-      }
-      y[row * N + n0 + j] = total;
-    }
-  }
-}
-#endif
-
 template <int64_t QT>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t M, int64_t K, int64_t N, float* y) {
-  for_each_tile(M, N, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
-    tile<QT, decltype(mr)::value, decltype(nr)::value>(w, row_bytes, a, K, m0, n0, y, N);
+  constexpr int64_t bb = kBlockBytes<QT>;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t row = 0; row < M; ++row) {
+        float acc = 0.0f, off = 0.0f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const uint8_t* block = w + n * row_bytes + b * bb;
+          const Scales<QT> s = block_scales<QT>(block);
+          const int64_t xb = row * a.nb + b;
+          const int8_t* qx = a.q.data() + xb * kChunk;
+          int32_t sum = 0;
+          for (int64_t k = 0; k < kChunk; ++k) sum += chunk_quant<QT>(block, 0, k) * qx[k];
+          acc = std::fma(s.d[0][0] * a.d[xb], static_cast<float>(sum), acc);
+          if constexpr (!kSignedQuants<QT>) off = std::fma(s.m[0][0], a.s[xb], off);
+        }
+        y[row * N + n] = acc + off;
+      }
   });
 }
+#endif
 
 at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t in_features,
                           const std::optional<at::Tensor>& bias) {
