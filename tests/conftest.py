@@ -53,7 +53,7 @@ def default_model_path() -> Path:
     return default_model_path()
 
 
-MAX_CACHED_ENGINES = 6  # each holds its weights and a committed pool: ~30 distinct ones outgrew 24 GiB
+MAX_CACHED_ENGINES = 6  # each holds its weights and the pool it touched: ~30 distinct ones outgrew 24 GiB
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +69,11 @@ def make_llm() -> Callable[..., object]:
 
     def make(**options: object) -> LLM:
         if "num_blocks" not in options:
-            # The pools are committed at start-up.
             options.setdefault("kv_cache_memory", 0.5)
+        # Not the shipped default (commit the whole pool at start-up, tests/test_host_memory.py checks it):
+        # a test touches a few MB of its pool, and committing 0.5 GiB cost each engine 0.3-0.9 s here
+        # (this VM's host backs freed guest pages again on first touch). Outputs do not depend on it.
+        options.setdefault("prefault_kv_cache", False)
         key = tuple(sorted(options.items()))
         if key in cache:
             cache[key] = cache.pop(key)  # most recently used last

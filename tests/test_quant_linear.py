@@ -96,7 +96,7 @@ def test_each_row_is_the_same_whatever_the_batch_and_threads(arith: str, fmt: st
     """A row's output does not depend on which rows share its call (tiles of 8, 4, 2 or 1 rows meeting 1,
     2, 4 or 8 weight rows, and their tails) nor on the thread count: bit for bit."""
     linear = op(ARITHMETICS[arith])
-    w, _ = make_weight(fmt, 50, 128, seed=3)
+    w, _ = make_weight(fmt, 51, 128, seed=3)  # an odd weight row left over after the pairs
     x = torch.randn(23, 128, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([linear(x[i:i + 1], w.data, w.fmt.ggml_type, 128, None) for i in range(23)])
     together = linear(x, w.data, w.fmt.ggml_type, 128, None)

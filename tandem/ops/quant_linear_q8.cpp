@@ -31,7 +31,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -49,10 +51,16 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;                    // [M][nb]
   std::vector<float> d_by_block, s_by_block;  // [nb][M] + 8
+  // Each whole tile of eight rows by lane: [tile][block][group of 4 values][row][4], a group's values
+  // of the eight rows in one vector (lane i: row 8 tile + i), as a weight group broadcast meets them;
+  // then, where four or more rows are left, the next four the same way ([block][group][row][4]).
+  std::vector<int8_t> by_lane;
+  int64_t tiled = 0;  // rows in whole tiles of eight
   int64_t nb = 0, M = 0;
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x) {
+// by_lane: also lay tiles of eight and four rows out by lane (what rows8_tile and rows4_pair read).
+QuantizedRows quantize_rows(const at::Tensor& x, bool by_lane) {
   const int64_t K = x.size(1);
   QuantizedRows r;
   r.M = x.size(0);
@@ -62,6 +70,14 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   r.s.resize(r.M * r.nb);
   r.d_by_block.assign(r.M * r.nb + 8, 0.0f);
   r.s_by_block.assign(r.M * r.nb + 8, 0.0f);
+#if defined(TANDEM_QUANT_AVX2)
+  r.tiled = by_lane ? r.M / 8 * 8 : 0;
+  const int64_t laid = by_lane ? r.tiled + (r.M - r.tiled >= 4 ? 4 : 0) : 0;
+#else
+  (void)by_lane;
+  const int64_t laid = 0;
+#endif
+  r.by_lane.resize(laid * K);
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
     for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
       int8_t* q = r.q.data() + b * kChunk;
@@ -72,6 +88,12 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
       r.d_by_block[(b - m * r.nb) * r.M + m] = r.d[b];
       r.s_by_block[(b - m * r.nb) * r.M + m] = r.s[b];
     }
+    for (int64_t b = 0; m < laid && b < r.nb; ++b)
+      for (int64_t g = 0; g < 8; ++g) {
+        int8_t* to = m < r.tiled ? r.by_lane.data() + (((m / 8) * r.nb + b) * 8 + g) * 32 + (m % 8) * 4
+                                 : r.by_lane.data() + r.tiled * K + (b * 8 + g) * 16 + (m - r.tiled) * 4;
+        std::memcpy(to, r.q.data() + m * K + b * kChunk + 4 * g, 4);
+      }
   });
   return r;
 }
@@ -155,6 +177,111 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
     for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = r[i * NR + j];
 }
 
+// How many of a block's u8 x s8 pair sums (vpmaddubsw's int16 lanes) add up before widening to int32
+// without saturating: 8 * 2 * 15 * 127 and 4 * 2 * 31 * 127 are below 2^15, 2 * 2 * 127 * 127 is not.
+template <int64_t QT>
+constexpr int kWidenEvery = QT == kQ4_0 || QT == kQ4_1 || QT == kMXFP4 ? 8 : QT == kQ5_0 ? 4 : 1;
+
+// Eight rows of x (a whole tile, m0 % 8 == 0) times weight row n: lane i is row m0 + i. The rows come by
+// lane (QuantizedRows::by_lane): each group of four weights is broadcast to the eight lanes and meets
+// the eight rows' values in one vpmaddubsw, so a block's sums land one per lane with no reduction
+// across lanes. Its float steps are tile()'s, so its outputs are tile()'s bit for bit.
+template <int64_t QT>
+void rows8_tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t m0, int64_t n, float* y,
+                int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const int64_t M = a.M, nb = a.nb;
+  const int8_t* xt = a.by_lane.data() + (m0 / 8) * nb * 256;
+  const uint8_t* row = w + n * row_bytes;
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = row + b * bb;
+    const Scales<QT> s = block_scales<QT>(block);
+    const __m256i q = chunk_quants<QT>(block, 0), wb = weight_bytes<QT>(q);
+    const int8_t* xb = xt + b * 256;
+    __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i at = _mm256_set1_epi32(g);
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * g));
+      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_permutevar8x32_epi32(q, at));
+      const __m256i wg = _mm256_permutevar8x32_epi32(wb, at);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      (void)pairs;
+      isum = _mm256_dpbusd_epi32(isum, wg, x);
+#else
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
+      if ((g + 1) % kWidenEvery<QT> == 0) {
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        pairs = _mm256_setzero_si256();
+      }
+#endif
+    }
+    const __m256 scale = _mm256_mul_ps(weight_lanes<8, 1>(&s.d[0][0]), rows_lanes<8, 1>(a.d_by_block.data() + b * M + m0));
+    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc);
+    if constexpr (!kSignedQuants<QT>)
+      off = _mm256_fmadd_ps(weight_lanes<8, 1>(&s.m[0][0]), rows_lanes<8, 1>(a.s_by_block.data() + b * M + m0), off);
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_add_ps(acc, off));
+  for (int i = 0; i < 8; ++i) y[(m0 + i) * N + n] = r[i];
+}
+
+// The four rows after the whole tiles of eight (m0 == a.tiled) times weight rows n and n + 1: lane
+// 4 j + i is row m0 + i and weight row n + j. Each 128-bit half holds one weight row's groups (an in-lane
+// shuffle broadcasts a group to its half) and meets the four rows' values of that group, laid by lane
+// and loaded into both halves. Its float steps are tile()'s, so its outputs are tile()'s bit for bit.
+template <int64_t QT>
+void rows4_pair(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n,
+                float* y, int64_t N) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const int64_t M = a.M, nb = a.nb;
+  const int8_t* xt = a.by_lane.data() + a.tiled * K;
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = w + n * row_bytes + b * bb;
+    const uint8_t* b1 = b0 + row_bytes;
+    const Scales<QT> s0 = block_scales<QT>(b0), s1 = block_scales<QT>(b1);
+    const __m256i q0 = chunk_quants<QT>(b0, 0), q1 = chunk_quants<QT>(b1, 0);
+    const __m256i w0 = weight_bytes<QT>(q0), w1 = weight_bytes<QT>(q1);
+    // Groups 0-3 of both weight rows, then groups 4-7: [row n's | row n + 1's].
+    const __m256i wh[2] = {_mm256_permute2x128_si256(w0, w1, 0x20), _mm256_permute2x128_si256(w0, w1, 0x31)};
+    const __m256i qh[2] = {_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31)};
+    const int8_t* xb = xt + b * 128;
+    __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
+    const auto group = [&](auto g) {
+      constexpr int kG = decltype(g)::value, kImm = (kG % 4) * 0x55;  // group g % 4 of each half, four times
+      __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16 * kG)));
+      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_shuffle_epi32(qh[kG / 4], kImm));
+      const __m256i wg = _mm256_shuffle_epi32(wh[kG / 4], kImm);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      (void)pairs;
+      isum = _mm256_dpbusd_epi32(isum, wg, x);
+#else
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
+      if constexpr ((kG + 1) % kWidenEvery<QT> == 0) {
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        pairs = _mm256_setzero_si256();
+      }
+#endif
+    };
+    group(std::integral_constant<int, 0>{}), group(std::integral_constant<int, 1>{});
+    group(std::integral_constant<int, 2>{}), group(std::integral_constant<int, 3>{});
+    group(std::integral_constant<int, 4>{}), group(std::integral_constant<int, 5>{});
+    group(std::integral_constant<int, 6>{}), group(std::integral_constant<int, 7>{});
+    const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a.d_by_block.data() + b * M + m0));
+    const __m256 dw = _mm256_set_m128(_mm_set1_ps(s1.d[0][0]), _mm_set1_ps(s0.d[0][0]));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), acc);
+    if constexpr (!kSignedQuants<QT>) {
+      const __m256 sx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a.s_by_block.data() + b * M + m0));
+      off = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s1.m[0][0]), _mm_set1_ps(s0.m[0][0])), sx, off);
+    }
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_add_ps(acc, off));
+  for (int j = 0; j < 2; ++j)
+    for (int i = 0; i < 4; ++i) y[(m0 + i) * N + n + j] = r[4 * j + i];
+}
+
 // Weight rows [n0, n1) times rows m0 .. m0 + MR of x, NR weight rows a tile and the rest fewer.
 template <int64_t QT, int MR, int NR>
 void across(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
@@ -177,8 +304,23 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, in
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * group, n1 = std::min(N, n0 + group);
       int64_t m0 = 0;
-      for (; m0 + 8 <= M; m0 += 8) across<QT, 8, 1>(w, row_bytes, a, K, m0, n0, n1, y, N);
-      if (M - m0 >= 4) across<QT, 4, 2>(w, row_bytes, a, K, m0, n0, n1, y, N), m0 += 4;
+      for (; m0 + 8 <= M; m0 += 8) {
+        if constexpr (QT == kQ8_0) {  // its signs cost two more steps a group by lane: the lanes' sums win
+          across<QT, 8, 1>(w, row_bytes, a, K, m0, n0, n1, y, N);
+        } else {
+          for (int64_t n = n0; n < n1; ++n) rows8_tile<QT>(w, row_bytes, a, m0, n, y, N);
+        }
+      }
+      if (M - m0 >= 4) {
+        if constexpr (QT == kQ8_0) {
+          across<QT, 4, 2>(w, row_bytes, a, K, m0, n0, n1, y, N);
+        } else {
+          int64_t n = n0;
+          for (; n + 2 <= n1; n += 2) rows4_pair<QT>(w, row_bytes, a, K, m0, n, y, N);
+          if (n < n1) tile<QT, 4, 1>(w, row_bytes, a, K, m0, n, y, N);
+        }
+        m0 += 4;
+      }
       if (M - m0 >= 2) across<QT, 2, 4>(w, row_bytes, a, K, m0, n0, n1, y, N), m0 += 2;
       if (M - m0 == 1) across<QT, 1, 8>(w, row_bytes, a, K, m0, n0, n1, y, N);
     }
@@ -218,7 +360,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
   if (is_k_quant(qtype)) return finish_output(k_quant_linear_q8(x, w, qtype, in_features), x_in, bias);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
-    const QuantizedRows a = quantize_rows(x);
+    const QuantizedRows a = quantize_rows(x, qtype != kQ8_0);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     switch (qtype) {  // the K-quants went to quant_linear_k8.cpp above
