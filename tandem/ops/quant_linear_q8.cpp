@@ -59,8 +59,7 @@ struct QuantizedRows {
   int64_t nb = 0, M = 0;
 };
 
-// by_lane: also lay tiles of eight and four rows out by lane (what rows8_tile and rows4_pair read).
-QuantizedRows quantize_rows(const at::Tensor& x, bool by_lane) {
+QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t K = x.size(1);
   QuantizedRows r;
   r.M = x.size(0);
@@ -71,10 +70,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, bool by_lane) {
   r.d_by_block.assign(r.M * r.nb + 8, 0.0f);
   r.s_by_block.assign(r.M * r.nb + 8, 0.0f);
 #if defined(TANDEM_QUANT_AVX2)
-  r.tiled = by_lane ? r.M / 8 * 8 : 0;
-  const int64_t laid = by_lane ? r.tiled + (r.M - r.tiled >= 4 ? 4 : 0) : 0;
+  r.tiled = r.M / 8 * 8;  // rows8_tile's, then rows4_pair's four
+  const int64_t laid = r.tiled + (r.M - r.tiled >= 4 ? 4 : 0);
 #else
-  (void)by_lane;
   const int64_t laid = 0;
 #endif
   r.by_lane.resize(laid * K);
@@ -199,23 +197,30 @@ void rows8_tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int
     const Scales<QT> s = block_scales<QT>(block);
     const __m256i q = chunk_quants<QT>(block, 0), wb = weight_bytes<QT>(q);
     const int8_t* xb = xt + b * 256;
+    // Groups 0-3 in both halves, then 4-7: an in-lane shuffle broadcasts a group to all eight lanes.
+    const __m256i wh[2] = {_mm256_permute2x128_si256(wb, wb, 0x00), _mm256_permute2x128_si256(wb, wb, 0x11)};
+    const __m256i qh[2] = {_mm256_permute2x128_si256(q, q, 0x00), _mm256_permute2x128_si256(q, q, 0x11)};
     __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) {
-      const __m256i at = _mm256_set1_epi32(g);
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * g));
-      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_permutevar8x32_epi32(q, at));
-      const __m256i wg = _mm256_permutevar8x32_epi32(wb, at);
+    const auto group = [&](auto g) {
+      constexpr int kG = decltype(g)::value, kImm = (kG % 4) * 0x55;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * kG));
+      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_shuffle_epi32(qh[kG / 4], kImm));
+      const __m256i wg = _mm256_shuffle_epi32(wh[kG / 4], kImm);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
       (void)pairs;
       isum = _mm256_dpbusd_epi32(isum, wg, x);
 #else
       pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
-      if ((g + 1) % kWidenEvery<QT> == 0) {
+      if constexpr ((kG + 1) % kWidenEvery<QT> == 0) {
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
         pairs = _mm256_setzero_si256();
       }
 #endif
-    }
+    };
+    group(std::integral_constant<int, 0>{}), group(std::integral_constant<int, 1>{});
+    group(std::integral_constant<int, 2>{}), group(std::integral_constant<int, 3>{});
+    group(std::integral_constant<int, 4>{}), group(std::integral_constant<int, 5>{});
+    group(std::integral_constant<int, 6>{}), group(std::integral_constant<int, 7>{});
     const __m256 scale = _mm256_mul_ps(weight_lanes<8, 1>(&s.d[0][0]), rows_lanes<8, 1>(a.d_by_block.data() + b * M + m0));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc);
     if constexpr (!kSignedQuants<QT>)
@@ -304,21 +309,12 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, in
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * group, n1 = std::min(N, n0 + group);
       int64_t m0 = 0;
-      for (; m0 + 8 <= M; m0 += 8) {
-        if constexpr (QT == kQ8_0) {  // its signs cost two more steps a group by lane: the lanes' sums win
-          across<QT, 8, 1>(w, row_bytes, a, K, m0, n0, n1, y, N);
-        } else {
-          for (int64_t n = n0; n < n1; ++n) rows8_tile<QT>(w, row_bytes, a, m0, n, y, N);
-        }
-      }
+      for (; m0 + 8 <= M; m0 += 8)
+        for (int64_t n = n0; n < n1; ++n) rows8_tile<QT>(w, row_bytes, a, m0, n, y, N);
       if (M - m0 >= 4) {
-        if constexpr (QT == kQ8_0) {
-          across<QT, 4, 2>(w, row_bytes, a, K, m0, n0, n1, y, N);
-        } else {
-          int64_t n = n0;
-          for (; n + 2 <= n1; n += 2) rows4_pair<QT>(w, row_bytes, a, K, m0, n, y, N);
-          if (n < n1) tile<QT, 4, 1>(w, row_bytes, a, K, m0, n, y, N);
-        }
+        int64_t n = n0;
+        for (; n + 2 <= n1; n += 2) rows4_pair<QT>(w, row_bytes, a, K, m0, n, y, N);
+        if (n < n1) tile<QT, 4, 1>(w, row_bytes, a, K, m0, n, y, N);
         m0 += 4;
       }
       if (M - m0 >= 2) across<QT, 2, 4>(w, row_bytes, a, K, m0, n0, n1, y, N), m0 += 2;
@@ -360,7 +356,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t q
   if (is_k_quant(qtype)) return finish_output(k_quant_linear_q8(x, w, qtype, in_features), x_in, bias);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
-    const QuantizedRows a = quantize_rows(x, qtype != kQ8_0);
+    const QuantizedRows a = quantize_rows(x);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     switch (qtype) {  // the K-quants went to quant_linear_k8.cpp above
