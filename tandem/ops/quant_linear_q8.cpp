@@ -142,11 +142,37 @@ inline __m256 weight_lanes(const float* values) {
 // blocks in order), and y = acc + off. So a row's value does not depend on its batch or the thread count.
 // The integer sums of a block for all of a tile's outputs are reduced across lanes together
 // (lane_sums), one conversion and one FMA per block for eight outputs.
+// The formats whose block starts with its fp16 scale d (and, for Q4_1, its fp16 m after it).
+template <int64_t QT>
+constexpr bool kHalfScaleFirst = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ8_0;
+
+// The fp16 at byte offset `at` of block b of eight weight rows, as eight float lanes (exact, as half_at).
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline __m256 halves8(const uint8_t* first, int64_t row_bytes, int64_t at) {
+  const uint8_t* p = first + at;
+  __m128i h = _mm_cvtsi32_si128(u16_at(p));
+  h = _mm_insert_epi16(h, u16_at(p + row_bytes), 1);
+  h = _mm_insert_epi16(h, u16_at(p + 2 * row_bytes), 2);
+  h = _mm_insert_epi16(h, u16_at(p + 3 * row_bytes), 3);
+  h = _mm_insert_epi16(h, u16_at(p + 4 * row_bytes), 4);
+  h = _mm_insert_epi16(h, u16_at(p + 5 * row_bytes), 5);
+  h = _mm_insert_epi16(h, u16_at(p + 6 * row_bytes), 6);
+  h = _mm_insert_epi16(h, u16_at(p + 7 * row_bytes), 7);
+  return _mm256_cvtph_ps(h);
+}
+
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
           float* y, int64_t N) {
   static_assert(MR * NR <= 8 && kChunks<QT> == 1, "one lane per output; blocks of one chunk");
   constexpr int64_t bb = kBlockBytes<QT>;
+  // One row and eight weight rows (a decode step): the eight scales converted in one vector, not one by one.
+  constexpr bool kVectorScales = MR == 1 && NR == 8 && kHalfScaleFirst<QT>;
   const int64_t M = a.M;
   __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
   const int8_t* x0 = a.q.data() + m0 * K;
@@ -156,18 +182,28 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
     for (int j = 0; j < NR; ++j) {
       const uint8_t* block = w + (n0 + j) * row_bytes + b * bb;
       if constexpr (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(block + 8 * row_bytes), _MM_HINT_T0);
-      const Scales<QT> s = block_scales<QT>(block);
-      dw[j] = s.d[0][0], mw[j] = s.m[0][0];
+      if constexpr (!kVectorScales) {
+        const Scales<QT> s = block_scales<QT>(block);
+        dw[j] = s.d[0][0], mw[j] = s.m[0][0];
+      }
       q[j] = chunk_quants<QT>(block, 0);
       wb[j] = weight_bytes<QT>(q[j]);
     }
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) isum[i * NR + j] = chunk_isum<QT>(wb[j], q[j], x0 + i * K + b * kChunk);
     const __m256 sums = _mm256_cvtepi32_ps(lane_sums(isum, MR * NR));
-    const __m256 scale = _mm256_mul_ps(weight_lanes<MR, NR>(dw), rows_lanes<MR, NR>(a.d_by_block.data() + b * M + m0));
+    __m256 wd, wm;
+    if constexpr (kVectorScales) {  // block_scales' values: m = -8 d (Q4_0), -16 d (Q5_0), the stored m (Q4_1)
+      const uint8_t* first = w + n0 * row_bytes + b * bb;
+      wd = halves8(first, row_bytes, 0);
+      wm = QT == kQ4_1 ? halves8(first, row_bytes, 2) : _mm256_mul_ps(_mm256_set1_ps(QT == kQ4_0 ? -8.0f : -16.0f), wd);
+    } else {
+      wd = weight_lanes<MR, NR>(dw), wm = weight_lanes<MR, NR>(mw);
+    }
+    const __m256 scale = _mm256_mul_ps(wd, rows_lanes<MR, NR>(a.d_by_block.data() + b * M + m0));
     acc = _mm256_fmadd_ps(scale, sums, acc);
     if constexpr (!kSignedQuants<QT>)
-      off = _mm256_fmadd_ps(weight_lanes<MR, NR>(mw), rows_lanes<MR, NR>(a.s_by_block.data() + b * M + m0), off);
+      off = _mm256_fmadd_ps(wm, rows_lanes<MR, NR>(a.s_by_block.data() + b * M + m0), off);
   }
   alignas(32) float r[8];
   _mm256_store_ps(r, _mm256_add_ps(acc, off));
