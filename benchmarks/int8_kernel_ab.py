@@ -33,7 +33,7 @@ from torch.utils.cpp_extension import load
 
 from tandem.ops import extension
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=140)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "int8_kernel_ab.json"
 SOURCES = ["quant_linear_q8.cpp", "quant_linear_k8.cpp", "quant_linear_k8_panel.cpp"]

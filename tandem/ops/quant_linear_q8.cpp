@@ -142,9 +142,10 @@ inline __m256 weight_lanes(const float* values) {
 // blocks in order), and y = acc + off. So a row's value does not depend on its batch or the thread count.
 // The integer sums of a block for all of a tile's outputs are reduced across lanes together
 // (lane_sums), one conversion and one FMA per block for eight outputs.
-// The formats whose block starts with its fp16 scale d (and, for Q4_1, its fp16 m after it).
+// The formats whose block starts with its scale: fp16 d (and, for Q4_1, its fp16 m after it), or
+// MXFP4's E8M0 exponent.
 template <int64_t QT>
-constexpr bool kHalfScaleFirst = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ8_0;
+constexpr bool kScaleFirst = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ8_0 || QT == kMXFP4;
 
 // The fp16 at byte offset `at` of block b of eight weight rows, as eight float lanes (exact, as half_at).
 inline uint16_t u16_at(const uint8_t* p) {
@@ -166,13 +167,25 @@ inline __m256 halves8(const uint8_t* first, int64_t row_bytes, int64_t at) {
   return _mm256_cvtph_ps(h);
 }
 
+// The E8M0 exponents of block b of eight weight rows as e8m0_half gives them, eight float lanes:
+// 2^(e - 128), (e - 1) << 23 as float bits, or 0x00200000 << e (a subnormal) for e < 2.
+inline __m256 exponents8(const uint8_t* first, int64_t row_bytes) {
+  const __m256i e = _mm256_setr_epi32(first[0], first[row_bytes], first[2 * row_bytes], first[3 * row_bytes],
+                                      first[4 * row_bytes], first[5 * row_bytes], first[6 * row_bytes],
+                                      first[7 * row_bytes]);
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+}
+
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
           float* y, int64_t N) {
   static_assert(MR * NR <= 8 && kChunks<QT> == 1, "one lane per output; blocks of one chunk");
   constexpr int64_t bb = kBlockBytes<QT>;
   // One row and eight weight rows (a decode step): the eight scales converted in one vector, not one by one.
-  constexpr bool kVectorScales = MR == 1 && NR == 8 && kHalfScaleFirst<QT>;
+  constexpr bool kVectorScales = MR == 1 && NR == 8 && kScaleFirst<QT>;
   const int64_t M = a.M;
   __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
   const int8_t* x0 = a.q.data() + m0 * K;
@@ -195,7 +208,7 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
     __m256 wd, wm;
     if constexpr (kVectorScales) {  // block_scales' values: m = -8 d (Q4_0), -16 d (Q5_0), the stored m (Q4_1)
       const uint8_t* first = w + n0 * row_bytes + b * bb;
-      wd = halves8(first, row_bytes, 0);
+      wd = QT == kMXFP4 ? exponents8(first, row_bytes) : halves8(first, row_bytes, 0);
       wm = QT == kQ4_1 ? halves8(first, row_bytes, 2) : _mm256_mul_ps(_mm256_set1_ps(QT == kQ4_0 ? -8.0f : -16.0f), wd);
     } else {
       wd = weight_lanes<MR, NR>(dw), wm = weight_lanes<MR, NR>(mw);
