@@ -229,6 +229,35 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
 template <int64_t QT>
 constexpr int kWidenEvery = QT == kQ4_0 || QT == kQ4_1 || QT == kMXFP4 ? 8 : QT == kQ5_0 ? 4 : 1;
 
+// A block's exact integer sums, one per lane, where x's rows come by lane: wh[h] holds weight groups
+// 4 h .. 4 h + 3 in each 128-bit half (qh the same of the signed quants), and x_of(g) the rows' values of
+// group g for the lanes, so an in-lane shuffle broadcasts each group to its half to meet them.
+template <int64_t QT, typename XOf>
+inline __m256i by_lane_sums(const __m256i (&wh)[2], const __m256i (&qh)[2], XOf&& x_of) {
+  __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
+  const auto group = [&](auto g) {
+    constexpr int kG = decltype(g)::value, kImm = (kG % 4) * 0x55;  // group g % 4 of each half, four times
+    __m256i x = x_of(kG);
+    if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_shuffle_epi32(qh[kG / 4], kImm));
+    const __m256i wg = _mm256_shuffle_epi32(wh[kG / 4], kImm);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)pairs;
+    isum = _mm256_dpbusd_epi32(isum, wg, x);
+#else
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
+    if constexpr ((kG + 1) % kWidenEvery<QT> == 0) {
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      pairs = _mm256_setzero_si256();
+    }
+#endif
+  };
+  group(std::integral_constant<int, 0>{}), group(std::integral_constant<int, 1>{});
+  group(std::integral_constant<int, 2>{}), group(std::integral_constant<int, 3>{});
+  group(std::integral_constant<int, 4>{}), group(std::integral_constant<int, 5>{});
+  group(std::integral_constant<int, 6>{}), group(std::integral_constant<int, 7>{});
+  return isum;
+}
+
 // Eight rows of x (a whole tile, m0 % 8 == 0) times weight row n: lane i is row m0 + i. The rows come by
 // lane (QuantizedRows::by_lane): each group of four weights is broadcast to the eight lanes and meets
 // the eight rows' values in one vpmaddubsw, so a block's sums land one per lane with no reduction
@@ -249,27 +278,9 @@ void rows8_tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int
     // Groups 0-3 in both halves, then 4-7: an in-lane shuffle broadcasts a group to all eight lanes.
     const __m256i wh[2] = {_mm256_permute2x128_si256(wb, wb, 0x00), _mm256_permute2x128_si256(wb, wb, 0x11)};
     const __m256i qh[2] = {_mm256_permute2x128_si256(q, q, 0x00), _mm256_permute2x128_si256(q, q, 0x11)};
-    __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
-    const auto group = [&](auto g) {
-      constexpr int kG = decltype(g)::value, kImm = (kG % 4) * 0x55;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * kG));
-      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_shuffle_epi32(qh[kG / 4], kImm));
-      const __m256i wg = _mm256_shuffle_epi32(wh[kG / 4], kImm);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      (void)pairs;
-      isum = _mm256_dpbusd_epi32(isum, wg, x);
-#else
-      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
-      if constexpr ((kG + 1) % kWidenEvery<QT> == 0) {
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        pairs = _mm256_setzero_si256();
-      }
-#endif
-    };
-    group(std::integral_constant<int, 0>{}), group(std::integral_constant<int, 1>{});
-    group(std::integral_constant<int, 2>{}), group(std::integral_constant<int, 3>{});
-    group(std::integral_constant<int, 4>{}), group(std::integral_constant<int, 5>{});
-    group(std::integral_constant<int, 6>{}), group(std::integral_constant<int, 7>{});
+    const __m256i isum = by_lane_sums<QT>(wh, qh, [&](int g) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * g));
+    });
     const __m256 scale = _mm256_mul_ps(weight_lanes<8, 1>(&s.d[0][0]), rows_lanes<8, 1>(a.d_by_block.data() + b * M + m0));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), acc);
     if constexpr (!kSignedQuants<QT>)
@@ -301,27 +312,9 @@ void rows4_pair(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int
     const __m256i wh[2] = {_mm256_permute2x128_si256(w0, w1, 0x20), _mm256_permute2x128_si256(w0, w1, 0x31)};
     const __m256i qh[2] = {_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31)};
     const int8_t* xb = xt + b * 128;
-    __m256i isum = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
-    const auto group = [&](auto g) {
-      constexpr int kG = decltype(g)::value, kImm = (kG % 4) * 0x55;  // group g % 4 of each half, four times
-      __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16 * kG)));
-      if constexpr (kSignedQuants<QT>) x = _mm256_sign_epi8(x, _mm256_shuffle_epi32(qh[kG / 4], kImm));
-      const __m256i wg = _mm256_shuffle_epi32(wh[kG / 4], kImm);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      (void)pairs;
-      isum = _mm256_dpbusd_epi32(isum, wg, x);
-#else
-      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wg, x));
-      if constexpr ((kG + 1) % kWidenEvery<QT> == 0) {
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        pairs = _mm256_setzero_si256();
-      }
-#endif
-    };
-    group(std::integral_constant<int, 0>{}), group(std::integral_constant<int, 1>{});
-    group(std::integral_constant<int, 2>{}), group(std::integral_constant<int, 3>{});
-    group(std::integral_constant<int, 4>{}), group(std::integral_constant<int, 5>{});
-    group(std::integral_constant<int, 6>{}), group(std::integral_constant<int, 7>{});
+    const __m256i isum = by_lane_sums<QT>(wh, qh, [&](int g) {  // the four rows' group in both halves
+      return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16 * g)));
+    });
     const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a.d_by_block.data() + b * M + m0));
     const __m256 dw = _mm256_set_m128(_mm_set1_ps(s1.d[0][0]), _mm_set1_ps(s0.d[0][0]));
     acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), acc);
@@ -351,7 +344,8 @@ void across(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t
 template <int64_t QT>
 void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t M, int64_t K, int64_t N, float* y) {
   const int64_t threads = at::get_num_threads();
-  int64_t group = std::max<int64_t>(8, (128 << 10) / row_bytes);
+  // Below eight rows no tile of x meets a group twice: groups of eight split the rows evenly.
+  int64_t group = M < 8 ? 8 : std::max<int64_t>(8, (128 << 10) / row_bytes);
   group = std::min(group, (N + threads - 1) / threads);
   group = std::max<int64_t>(8, (group + 7) / 8 * 8);
   at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
