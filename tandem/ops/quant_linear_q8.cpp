@@ -136,24 +136,19 @@ inline __m256 weight_lanes(const float* values) {
   return _mm256_load_ps(lanes);
 }
 
-// Outputs rows m0 .. m0 + MR x weight rows n0 .. n0 + NR (MR * NR <= 8), one lane each. Every output
-// takes the same steps whatever its tile: per block of 32, the products summed exactly in integers,
-// then acc += (dw * dx) * sum and, for the formats with an offset, off += mw * sx (fused multiply-adds,
-// blocks in order), and y = acc + off. So a row's value does not depend on its batch or the thread count.
-// The integer sums of a block for all of a tile's outputs are reduced across lanes together
-// (lane_sums), one conversion and one FMA per block for eight outputs.
 // The formats whose block starts with its scale: fp16 d (and, for Q4_1, its fp16 m after it), or
 // MXFP4's E8M0 exponent.
 template <int64_t QT>
 constexpr bool kScaleFirst = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ8_0 || QT == kMXFP4;
 
-// The fp16 at byte offset `at` of block b of eight weight rows, as eight float lanes (exact, as half_at).
 inline uint16_t u16_at(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
 }
 
+// The fp16 at byte offset `at` of a block of eight weight rows (first: the first row's), as eight float
+// lanes (exact, as half_at gives each).
 inline __m256 halves8(const uint8_t* first, int64_t row_bytes, int64_t at) {
   const uint8_t* p = first + at;
   __m128i h = _mm_cvtsi32_si128(u16_at(p));
@@ -179,6 +174,12 @@ inline __m256 exponents8(const uint8_t* first, int64_t row_bytes) {
   return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
 }
 
+// Outputs rows m0 .. m0 + MR x weight rows n0 .. n0 + NR (MR * NR <= 8), one lane each. Every output
+// takes the same steps whatever its tile: per block of 32, the products summed exactly in integers,
+// then acc += (dw * dx) * sum and, for the formats with an offset, off += mw * sx (fused multiply-adds,
+// blocks in order), and y = acc + off. So a row's value does not depend on its batch or the thread count.
+// The integer sums of a block for all of a tile's outputs are reduced across lanes together
+// (lane_sums), one conversion and one FMA per block for eight outputs.
 template <int64_t QT, int MR, int NR>
 void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K, int64_t m0, int64_t n0,
           float* y, int64_t N) {
