@@ -45,11 +45,10 @@ namespace {
 
 using namespace gguf;
 
-// Activations quantized per block of 32: int8 values, the scale and the scaled sum of each block, the
-// scales and sums also by block ([nb][M], padded by a vector) so that a tile's rows' come in one load.
+// Activations quantized per block of 32: int8 values, and the scale and the scaled sum of each block,
+// kept by block ([nb][M], padded by a vector) so that a tile's rows' come in one load.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> d, s;                    // [M][nb]
   std::vector<float> d_by_block, s_by_block;  // [nb][M] + 8
   // Each whole tile of eight rows by lane: [tile][block][group of 4 values][row][4], a group's values
   // of the eight rows in one vector (lane i: row 8 tile + i), as a weight group broadcast meets them;
@@ -65,8 +64,6 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   r.M = x.size(0);
   r.nb = K / kChunk;
   r.q.resize(r.M * K);
-  r.d.resize(r.M * r.nb);
-  r.s.resize(r.M * r.nb);
   r.d_by_block.assign(r.M * r.nb + 8, 0.0f);
   r.s_by_block.assign(r.M * r.nb + 8, 0.0f);
 #if defined(TANDEM_QUANT_AVX2)
@@ -77,14 +74,13 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 #endif
   r.by_lane.resize(laid * K);
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
-    for (int64_t b = m * r.nb; b < (m + 1) * r.nb; ++b) {
-      int8_t* q = r.q.data() + b * kChunk;
-      r.d[b] = int8_blocks::quantize_block(row + (b - m * r.nb) * kChunk, kChunk, q);
+    for (int64_t b = 0; b < r.nb; ++b) {
+      int8_t* q = r.q.data() + m * K + b * kChunk;
+      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q);
       int32_t sum = 0;
       for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
-      r.s[b] = r.d[b] * static_cast<float>(sum);
-      r.d_by_block[(b - m * r.nb) * r.M + m] = r.d[b];
-      r.s_by_block[(b - m * r.nb) * r.M + m] = r.s[b];
+      r.d_by_block[b * r.M + m] = d;
+      r.s_by_block[b * r.M + m] = d * static_cast<float>(sum);
     }
     for (int64_t b = 0; m < laid && b < r.nb; ++b)
       for (int64_t g = 0; g < 8; ++g) {
@@ -136,11 +132,6 @@ inline __m256 weight_lanes(const float* values) {
   return _mm256_load_ps(lanes);
 }
 
-// The formats whose block starts with its scale: fp16 d (and, for Q4_1, its fp16 m after it), or
-// MXFP4's E8M0 exponent.
-template <int64_t QT>
-constexpr bool kScaleFirst = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ8_0 || QT == kMXFP4;
-
 inline uint16_t u16_at(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -186,7 +177,7 @@ void tile(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, int64_t K
   static_assert(MR * NR <= 8 && kChunks<QT> == 1, "one lane per output; blocks of one chunk");
   constexpr int64_t bb = kBlockBytes<QT>;
   // One row and eight weight rows (a decode step): the eight scales converted in one vector, not one by one.
-  constexpr bool kVectorScales = MR == 1 && NR == 8 && kScaleFirst<QT>;
+  constexpr bool kVectorScales = MR == 1 && NR == 8;  // every format here starts its block with its scale
   const int64_t M = a.M;
   __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
   const int8_t* x0 = a.q.data() + m0 * K;
@@ -378,12 +369,12 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, in
         for (int64_t b = 0; b < a.nb; ++b) {
           const uint8_t* block = w + n * row_bytes + b * bb;
           const Scales<QT> s = block_scales<QT>(block);
-          const int64_t xb = row * a.nb + b;
-          const int8_t* qx = a.q.data() + xb * kChunk;
+          const int64_t xb = b * M + row;
+          const int8_t* qx = a.q.data() + row * K + b * kChunk;
           int32_t sum = 0;
           for (int64_t k = 0; k < kChunk; ++k) sum += chunk_quant<QT>(block, 0, k) * qx[k];
-          acc = std::fma(s.d[0][0] * a.d[xb], static_cast<float>(sum), acc);
-          if constexpr (!kSignedQuants<QT>) off = std::fma(s.m[0][0], a.s[xb], off);
+          acc = std::fma(s.d[0][0] * a.d_by_block[xb], static_cast<float>(sum), acc);
+          if constexpr (!kSignedQuants<QT>) off = std::fma(s.m[0][0], a.s_by_block[xb], off);
         }
         y[row * N + n] = acc + off;
       }
