@@ -14,10 +14,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
-import pytest
-import safetensors.torch
-import torch
+from parallel_streams import machine_share, own_core
+
+own_core()  # before torch loads (a parallel stream's OpenMP pool then has its one core's thread)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DATA = Path(__file__).parent / "data"
@@ -37,6 +41,12 @@ def assert_pool_clean(engine) -> None:  # noqa: ANN001 (LLMEngine; imported lazi
 
 
 _engines: list = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    with machine_share(item.get_closest_marker("whole_machine") is not None):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +113,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False}
 # several steps) and speculating workers. A grammar-constrained request gets no drafts, so the structured
 # outputs' test shares it with the speculative one.
 FP32_1P1D = (*FP32_SERVER, "--max-num-batched-tokens", "64", "--speculative-config", json.dumps(SUFFIX),
-             "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+             "--prefill-workers", "1", "--decode-workers", "1",
              "--path-policy", "disaggregated")
 
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # On the tiny random model: these tests are about where requests go, not what the model says.
 ARGS = (TINY[0], "--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "128",
-        "--workers", "2", "--worker-cores", "0", "1", "--worker-heartbeat-timeout", "3")
+        "--workers", "2", "--worker-heartbeat-timeout", "3")
 
 
 @pytest.fixture(scope="module")

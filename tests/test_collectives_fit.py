@@ -21,6 +21,7 @@ def test_fit_recovers_a_known_link() -> None:
     assert fitted.latency_s == pytest.approx(12e-6, rel=1e-6) and fitted.bandwidth == pytest.approx(8e9, rel=1e-6)
 
 
+@pytest.mark.whole_machine  # a rank on each of the host's cores, timed
 def test_measured_link_prices_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two ranks on this machine: each fitted link (all-reduce, all-to-all) predicts its measured points
     within a factor of 2;

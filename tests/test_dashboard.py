@@ -111,7 +111,7 @@ def test_cluster_endpoint_on_the_colocated_server() -> None:
 def deployment():  # noqa: ANN201
     # A small host-memory tier, so that the store's panel and series have something to show.
     with running_server(*SMALL, "--api-key", KEY, "--prefill-workers", "1", "--decode-workers", "1",
-                        "--worker-cores", "0", "1", "--path-policy", "disaggregated",
+                        "--path-policy", "disaggregated",
                         "--kv-offload-memory", "0.05") as server:
         yield server
 

@@ -34,7 +34,7 @@ from server_utils import Server, children, running_server, torch_mapped, web
 pytestmark = pytest.mark.slow
 
 # Every prompt through the pair (not the per-request path choice): these tests are about the transfer.
-DISAGG = ("--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+DISAGG = ("--prefill-workers", "1", "--decode-workers", "1",
           "--path-policy", "disaggregated")
 
 
@@ -304,8 +304,9 @@ def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
     try:
         # The router serves once a worker has joined; the intruder, lacking the secret, never does.
         worker("decode", "a-guess", "intruder")
-        worker("prefill", "the-secret", "p0", "--cores", "0")
-        worker("decode", "the-secret", "d0", "--cores", "1", "--kv-transport", "zmq")
+        cores = sorted(os.sched_getaffinity(0))  # one each where there are two
+        worker("prefill", "the-secret", "p0", "--cores", str(cores[0]))
+        worker("decode", "the-secret", "d0", "--cores", str(cores[-1]), "--kv-transport", "zmq")
         server.wait_ready()
         deadline = time.monotonic() + 180
         while metric_or_zero(server, "worker_up") < 2:

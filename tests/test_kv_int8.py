@@ -139,7 +139,7 @@ def test_a_1p1d_deployment_moves_int8_rows_as_they_are(make_llm) -> None:  # noq
     offline = make_llm(dtype="float32", kv_cache_dtype="int8", enable_prefix_caching=False)
     want = offline.generate([prompt], GREEDY)[0].outputs[0].text
     with running_server("--dtype", "float32", "--kv-cache-dtype", "int8", "--kv-cache-memory", "0.25",
-                        "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+                        "--prefill-workers", "1", "--decode-workers", "1",
                         "--path-policy", "disaggregated") as server:
         body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True}
         got = web.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]

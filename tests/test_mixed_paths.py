@@ -17,7 +17,7 @@ from tandem import SamplingParams
 pytestmark = pytest.mark.slow
 
 MIXED = ("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-batched-tokens", "256",
-         "--prefill-workers", "1", "--decode-workers", "1", "--worker-cores", "0", "1",
+         "--prefill-workers", "1", "--decode-workers", "1",
          "--slo-ttft-ms", "20000", "--slo-tpot-ms", "150")
 
 

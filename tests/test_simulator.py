@@ -204,6 +204,7 @@ def test_bench_sim_writes_a_result_that_compare_reads(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.whole_machine  # times one core beside a neighbour on another, and `tandem serve` on all of them
 def test_tandem_profile_measures_the_live_engine(tmp_path):
     out = tmp_path / "p.json"
     # Pinned to one core, as a worker is: the co-location term is timed beside a neighbour on the other.
