@@ -49,6 +49,14 @@ def _flock(name: str, mode: int) -> Iterator[None]:
 
 
 @contextmanager
+def one_stream_at_a_time(name: str) -> Iterator[None]:
+    """Around what the machine can hold one of at a time (a local Ray cluster: `ray stop` stops every
+    one), where a module's tests may be split between streams."""
+    with _flock(name, fcntl.LOCK_EX):
+        yield
+
+
+@contextmanager
 def machine_share(whole: bool) -> Iterator[None]:
     """Around one test (its fixtures' set-up and teardown included). Every test holds the `run` lock
     shared; a whole-machine test holds it alone. It first takes the `gate`, which every test passes

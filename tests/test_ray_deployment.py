@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cluster_utils import TINY, metric, prompts, run_all, settled
+from parallel_streams import one_stream_at_a_time
 from server_utils import running_server
 
 pytestmark = pytest.mark.slow
@@ -36,13 +37,14 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 (a gener
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-                   check=True, capture_output=True, env=env, timeout=180)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        subprocess.run([exe, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    with one_stream_at_a_time("ray"):  # `ray stop` below stops every Ray cluster of this user
+        subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                       check=True, capture_output=True, env=env, timeout=180)
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            subprocess.run([exe, "stop", "--force"], capture_output=True, env=env, timeout=120)
 
 
 def worker_pids(log_lines: list[str]) -> dict[str, int]:
