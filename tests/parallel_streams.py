@@ -7,7 +7,8 @@ each slow the other. Pinned, every stream is a machine of one core, and what it 
 `tandem serve` and its workers place themselves on the cores they may use, torch takes one thread.
 What only a whole machine can check (timing the co-location of two cores, fitting collectives
 across them) is marked `whole_machine`: its stream waits until no other test runs, widens to every
-core for it and narrows again after, while the other streams wait.
+core for it and narrows again after, while the other streams wait. (What such a test starts for later
+tests, a module's or the session's shared server, would keep every core: the marked tests share none.)
 
 Without xdist (PYTEST_XDIST_WORKER unset) nothing here changes anything.
 """
