@@ -31,6 +31,8 @@ from cluster_utils import (
 )
 from server_utils import Server, children, running_server, torch_mapped, web
 
+from tandem.disagg.fleet.local_launcher import assign_cores
+
 pytestmark = pytest.mark.slow
 
 # Every prompt through the pair (not the per-request path choice): these tests are about the transfer.
@@ -304,9 +306,9 @@ def test_workers_join_by_address_and_a_wrong_secret_is_refused() -> None:
     try:
         # The router serves once a worker has joined; the intruder, lacking the secret, never does.
         worker("decode", "a-guess", "intruder")
-        cores = sorted(os.sched_getaffinity(0))  # one each where there are two
-        worker("prefill", "the-secret", "p0", "--cores", str(cores[0]))
-        worker("decode", "the-secret", "d0", "--cores", str(cores[-1]), "--kv-transport", "zmq")
+        (prefill_core,), (decode_core,) = assign_cores(2, None)  # as `tandem serve` places its own two
+        worker("prefill", "the-secret", "p0", "--cores", str(prefill_core))
+        worker("decode", "the-secret", "d0", "--cores", str(decode_core), "--kv-transport", "zmq")
         server.wait_ready()
         deadline = time.monotonic() + 180
         while metric_or_zero(server, "worker_up") < 2:
