@@ -40,7 +40,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "paged_prefill_brgemm.cpp",
             _HERE / "fused.cpp", _HERE / "kv_write.cpp", _HERE / "linear.cpp",
             _HERE / "quant_linear.cpp", _HERE / "quant_linear_q8.cpp", _HERE / "quant_linear_k8.cpp",
-            _HERE / "quant_linear_k8_panel.cpp",
+            _HERE / "quant_linear_k8_panel.cpp", _HERE / "quant_linear_x16.cpp",
             _HERE / "layer_stack.cpp",
             _HERE / "group_reduce.cpp", _HERE / "stream_read.cpp"]
 # Every header next to the sources: the build directory's key covers whatever they include.

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "quant_linear_x16.h"
 
 namespace tandem_ops {
 namespace {
@@ -313,6 +314,9 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
 // Into a caller's buffer: a GEMM caller reuses one scratch tensor per process instead of faulting in a
 // fresh one per layer and step (~0.5 ms of page faults for a 7 MB layer here).
 void gguf_dequantize_into(at::Tensor& out, const at::Tensor& w, int64_t qtype, int64_t in_features) {
+  if (is_interleaved16(qtype))  // the rows as stored first (quant_linear_x16.cpp)
+    return gguf_dequantize_into(out, deinterleave16(w, qtype, in_features, std::nullopt), qtype & ~kInterleaved16,
+                                in_features);
   check_weight(w, qtype, in_features, "gguf_dequantize_into");
   const int64_t N = w.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
@@ -328,7 +332,6 @@ void gguf_dequantize_into(at::Tensor& out, const at::Tensor& w, int64_t qtype, i
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t in_features) {
-  check_weight(w, qtype, in_features, "gguf_dequantize");
   at::Tensor out = at::empty({w.size(0), in_features}, w.options().dtype(at::kFloat));
   gguf_dequantize_into(out, w, qtype, in_features);
   return out;

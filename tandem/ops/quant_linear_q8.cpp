@@ -39,6 +39,7 @@
 #include "gguf_blocks.h"
 #include "int8_blocks.h"
 #include "quant_linear_k8.h"
+#include "quant_linear_x16.h"
 
 namespace tandem_ops {
 namespace {
@@ -384,9 +385,10 @@ void linear_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& a, in
 
 at::Tensor gguf_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t in_features,
                           const std::optional<at::Tensor>& bias) {
-  check_weight(w, qtype, in_features, "gguf_linear_q8");
   check_activations(x_in, in_features, "gguf_linear_q8");
   const at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
+  if (is_interleaved16(qtype)) return finish_output(interleaved16_linear_q8(x, w, qtype, in_features), x_in, bias);
+  check_weight(w, qtype, in_features, "gguf_linear_q8");
   const int64_t M = x.size(0), K = in_features, N = w.size(0);
   if (is_k_quant(qtype)) return finish_output(k_quant_linear_q8(x, w, qtype, in_features), x_in, bias);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
