@@ -31,7 +31,7 @@ from tandem.model.block_formats import (
     BlockFormat,
     torch_dequantize,
 )
-from tandem.model.linear import GGUFMethod, weight_bytes
+from tandem.model.linear import GGUFMethod, interleavable, weight_bytes
 from tandem.model.quant import QuantizedWeight
 from tandem.ops import extension
 
@@ -201,7 +201,9 @@ def gemma(make_llm) -> dict[str, object]:  # noqa: ANN001
 def test_gemma_keeps_its_k_quant_layers_as_blocks(gemma) -> None:  # noqa: ANN001
     stored, dense = (gemma[q].engine.core.runner.model for q in ("gguf", "none"))
     q8 = gemma["gguf-q8"].engine.core.runner.model
-    assert q8.layers[0].self_attn.o_proj.method == GGUFMethod(Q4_K, int8_activations=True)
+    o_proj = q8.layers[0].self_attn.o_proj
+    # int8 activations: interleaved by 16 rows where this CPU's kernel reads that layout (AVX512-VNNI)
+    assert o_proj.method == GGUFMethod(Q4_K, True, interleavable(Q4_K, o_proj.out_features))
     formats = {f.name: 0 for f in NATIVE_FORMATS.values()}
     for layer in stored.layers:
         assert layer.self_attn.o_proj.method == GGUFMethod(Q4_K)

@@ -15,7 +15,7 @@ from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_b
 from tandem.model.loader import ModelLoadError, load_model, resolve_quantization
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
-from tandem.model.scoring import agreed_prefix, perplexity
+from tandem.model.scoring import agreed_prefix, next_token_logits, perplexity
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Once upon a time, in a small village,", "List three primary colours:", "The theory of relativity says"]
@@ -54,13 +54,28 @@ def test_perplexity_of_the_dequantized_model(engines, models, passages) -> None:
     assert abs(ppl["gguf-q8"] / ppl["none"] - 1) < 0.01, ppl
 
 
-def test_greedy_tokens_of_the_dequantized_model(engines) -> None:  # noqa: ANN001
+# Where the float32 model's top two next tokens are more than this many nats apart, int8 activations
+# keep its top token (test_kquants.py's bound for Gemma 3 too).
+CLEAR_GAP = 0.5
+
+
+def test_greedy_tokens_of_the_dequantized_model(engines, models, passages) -> None:  # noqa: ANN001
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {q: [o.outputs[0].token_ids for o in engines[q].generate(PROMPTS, params)] for q in engines}
     assert tokens["gguf"] == tokens["none"]
+    # Int8 activations part from the float32 model's greedy text after a few tokens (the prefix before
+    # the first divergence was 61-70% of the tokens on Zen 3 and Zen 4, 49% on a Zen 5 build, whose
+    # float order differs): a rounding of x moves logits by a fraction of a nat. So, token by token on
+    # one text, the top token is the float32 model's wherever its top two are clearly apart.
+    ids = engines["none"].get_tokenizer().encode(" ".join(passages))[:256]
+    ref, got = (next_token_logits(models[q], ids)[:-1] for q in ("none", "gguf-q8"))
+    top2 = ref.log_softmax(-1).topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > CLEAR_GAP
+    assert clear.sum() > 50
+    agree = ref.argmax(-1) == got.argmax(-1)
+    assert bool(agree[clear].all()), f"{int((~agree[clear]).sum())} of {int(clear.sum())} clear tokens changed"
     agreed, total = agreed_prefix(tokens["gguf-q8"], tokens["none"])
-    # Measured here: 61-70% (README); int8 activations part from the float32 model after a few tokens.
-    assert agreed / total >= 0.5, f"{agreed} of {total} tokens before the first divergence"
+    assert agreed > 0, "the int8 model agrees with the float32 one on no greedy token"
 
 
 def test_a_fused_layer_of_mixed_formats_keeps_each_run_of_parts_in_its_blocks() -> None:

@@ -46,6 +46,12 @@ Q5_K = BlockFormat("Q5_K", 13, 256, 176)
 Q6_K = BlockFormat("Q6_K", 14, 256, 210)
 MXFP4 = BlockFormat("MXFP4", 39, 32, 17)  # an E8M0 exponent and 32 E2M1 codes (gpt-oss's experts)
 NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)}
+# The same blocks with their bytes permuted within each group of 16 rows at load, for the AVX512-VNNI
+# int8 kernel (tandem/ops/quant_linear_x16.cpp): never a file's type, so not in NATIVE_FORMATS. The
+# type id is the format's with INTERLEAVED16 set.
+INTERLEAVED16 = 1 << 8
+INTERLEAVED16_FORMATS = {f: BlockFormat(f"{f.name}_x16", f.ggml_type | INTERLEAVED16, f.block_weights, f.block_bytes)
+                         for f in (Q4_K, Q6_K)}
 
 
 def native_format(ggml_type: int) -> BlockFormat | None:

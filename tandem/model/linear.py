@@ -12,21 +12,24 @@ model is built with every layer in its final form: no module is swapped after lo
   gguf-split  a fused layer whose parts the file holds in different formats (a Q4_K_M file's q and k
               in Q4_K, v in Q6_K): each run of parts in one format as its own blocks, the outputs side
               by side
+With int8 activations on a CPU with AVX512-VNNI, Q4_K and Q6_K blocks are interleaved by 16 rows once
+loaded (in place: the same bytes, permuted), the layout ops/quant_linear_x16.cpp's kernel streams.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.model.block_formats import BlockFormat
+from tandem.model.block_formats import INTERLEAVED16_FORMATS, BlockFormat
 from tandem.model.packed_linear import SMALL_BATCH_ROWS, PackedLinear, packing_supported
 from tandem.model.quant import UNLIMITED_ROWS, QuantizedWeight, gemm_rows, quantized_linear, slice_weight
+from tandem.ops import extension
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +112,25 @@ class PackedBf16Method(LinearMethod):
         return NativeLinear(1, packed.panels, max_rows=SMALL_BATCH_ROWS or 0, wide=packed.packed_weight)
 
 
+def interleavable(fmt: BlockFormat, rows: int) -> bool:
+    """Whether rows of fmt's blocks can be held interleaved by 16 for the int8 kernel on this CPU."""
+    return (rows % 16 == 0 and fmt in INTERLEAVED16_FORMATS and extension.extension_available()
+            and bool(torch.ops.tandem.gguf_interleave16_supported(fmt.ggml_type)))
+
+
 @dataclass(frozen=True)
 class GGUFMethod(LinearMethod):
-    fmt: BlockFormat
+    fmt: BlockFormat  # the file's format: what load takes
     int8_activations: bool = False
+    interleave: bool = False  # held interleaved by 16 rows once loaded (finish): held_fmt
+
+    @property
+    def held_fmt(self) -> BlockFormat:
+        return INTERLEAVED16_FORMATS[self.fmt] if self.interleave else self.fmt
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"gguf-{self.fmt.name}" + ("-a8" if self.int8_activations else "")
+        return f"gguf-{self.held_fmt.name}" + ("-a8" if self.int8_activations else "")
 
     def create(self, layer: Linear) -> None:
         layer.register_buffer("qdata", torch.empty(layer.out_features, self.fmt.row_bytes(layer.in_features),
@@ -138,6 +152,14 @@ class GGUFMethod(LinearMethod):
             dest[row:row + p.out_features].copy_(p.data)
             row += p.out_features
 
+    def finish(self, layer: Linear) -> None:
+        if self.interleave:
+            self.interleave_blocks(layer.qdata, layer.in_features)
+
+    def interleave_blocks(self, blocks: torch.Tensor, in_features: int) -> None:
+        if self.interleave:
+            torch.ops.tandem.gguf_interleave16_(blocks, self.fmt.ggml_type, in_features)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, layer.quantized_weight(), layer.bias, self.int8_activations)
 
@@ -148,7 +170,7 @@ class GGUFMethod(LinearMethod):
         # Float activations: past gemm_rows quantized_linear dequantizes for a GEMM, the Python path's job.
         # int8: the kernel at every row count (quantized_linear).
         rows = UNLIMITED_ROWS if self.int8_activations else gemm_rows()
-        return NativeLinear(3 if self.int8_activations else 2, blocks, self.fmt.ggml_type, rows)
+        return NativeLinear(3 if self.int8_activations else 2, blocks, self.held_fmt.ggml_type, rows)
 
 
 @dataclass(frozen=True)
@@ -158,10 +180,16 @@ class SplitGGUFMethod(LinearMethod):
 
     groups: tuple[tuple[BlockFormat, int], ...]
     int8_activations: bool = False
+    interleave: tuple[bool, ...] = ()  # per group: held interleaved by 16 rows (GGUFMethod.interleave)
+
+    def group_methods(self) -> list[GGUFMethod]:
+        flags = self.interleave or (False,) * len(self.groups)
+        return [GGUFMethod(fmt, self.int8_activations, il) for (fmt, _), il in zip(self.groups, flags, strict=True)]
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "gguf-split-" + "+".join(f.name for f, _ in self.groups) + ("-a8" if self.int8_activations else "")
+        return ("gguf-split-" + "+".join(m.held_fmt.name for m in self.group_methods())
+                + ("-a8" if self.int8_activations else ""))
 
     def create(self, layer: Linear) -> None:
         if sum(rows for _, rows in self.groups) != layer.out_features:
@@ -169,16 +197,17 @@ class SplitGGUFMethod(LinearMethod):
         for i, (fmt, rows) in enumerate(self.groups):
             layer.register_buffer(f"qdata{i}", torch.empty(rows, fmt.row_bytes(layer.in_features), dtype=torch.uint8))
 
-    def blocks(self, layer: Linear) -> list[QuantizedWeight]:
-        return [QuantizedWeight(getattr(layer, f"qdata{i}"), fmt, layer.in_features)
-                for i, (fmt, _) in enumerate(self.groups)]
+    def blocks(self, layer: Linear, as_held: bool = True) -> list[QuantizedWeight]:
+        """Each group's blocks, in the format they are held in (as_held) or the file's."""
+        return [QuantizedWeight(getattr(layer, f"qdata{i}"), m.held_fmt if as_held else m.fmt, layer.in_features)
+                for i, m in enumerate(self.group_methods())]
 
     def load(self, layer: Linear, parts: Sequence[Weight]) -> None:
         """Each run of parts into its group's blocks (GGUFMethod.fill checks the format)."""
         if any(isinstance(p, QuantizedWeight) and p.in_features != layer.in_features for p in parts):
             raise ValueError("cannot fuse quantized weights of different widths")
         queue = list(parts)
-        for held in self.blocks(layer):
+        for held in self.blocks(layer, as_held=False):
             row = 0
             while row < held.out_features:
                 if not queue:
@@ -189,13 +218,17 @@ class SplitGGUFMethod(LinearMethod):
         if queue:
             raise ValueError(f"{self.name}: more parts than its groups hold")
 
+    def finish(self, layer: Linear) -> None:
+        for i, m in enumerate(self.group_methods()):
+            m.interleave_blocks(getattr(layer, f"qdata{i}"), layer.in_features)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([quantized_linear(x, w, None, self.int8_activations) for w in self.blocks(layer)], dim=-1)
         return out if layer.bias is None else out + layer.bias
 
     def native_form(self, layer: Linear) -> NativeLinear | None:
-        forms = tuple(replace(GGUFMethod(w.fmt, self.int8_activations).native_form_of(w.data), out_features=rows)
-                      for w, (_, rows) in zip(self.blocks(layer), self.groups, strict=True))
+        forms = tuple(replace(m.native_form_of(w.data), out_features=rows)
+                      for m, w, (_, rows) in zip(self.group_methods(), self.blocks(layer), self.groups, strict=True))
         return NativeLinear(5, forms[0].weight, max_rows=min(f.max_rows for f in forms), parts=forms)
 
 
@@ -233,7 +266,7 @@ class Linear(nn.Module):
 
     def quantized_weight(self) -> QuantizedWeight:
         assert isinstance(self.method, GGUFMethod)
-        return QuantizedWeight(self.qdata, self.method.fmt, self.in_features)
+        return QuantizedWeight(self.qdata, self.method.held_fmt, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
@@ -249,11 +282,13 @@ def native_dtype_method(dtype: torch.dtype, device: torch.device) -> LinearMetho
 
 
 def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mapping[str, Weight],
-                        dtype: torch.dtype, device: torch.device,
-                        int8_activations: bool = False) -> dict[str, LinearMethod]:
+                        dtype: torch.dtype, device: torch.device, int8_activations: bool = False,
+                        interleavable_layers: Collection[str] = ()) -> dict[str, LinearMethod]:
     """Per linear layer (by module name, from the checkpoint tensors it is made of): the file's own
     block format when every part has it, each run of parts in its own format when every part is in a
-    block format but not the same one (gguf-split), else the model's dtype."""
+    block format but not the same one (gguf-split), else the model's dtype. With int8 activations, the
+    blocks of interleavable_layers (the model's own Linear modules: not the embedding, which looks rows
+    up, nor a mixture's expert stacks) are held interleaved where this CPU's kernel reads that layout."""
     plan: dict[str, LinearMethod] = {}
     fallback = native_dtype_method(dtype, device)
     for layer, parts in layer_parts.items():
@@ -262,10 +297,13 @@ def plan_linear_methods(layer_parts: Mapping[str, Sequence[str]], weights: Mappi
         fmt = next(iter(formats)) if len(formats) == 1 else None
         groups = format_groups(present) if present and len(present) == len(parts) else None
         # F.embedding needs the plain table; a tied head packs its own copy.
+        may_interleave = int8_activations and layer in interleavable_layers and layer != "embed_tokens"
         if fmt is not None:
-            plan[layer] = GGUFMethod(fmt, int8_activations)
+            rows = sum(int(w.shape[0]) for w in present)
+            plan[layer] = GGUFMethod(fmt, int8_activations, may_interleave and interleavable(fmt, rows))
         elif groups is not None and layer != "embed_tokens":
-            plan[layer] = SplitGGUFMethod(groups, int8_activations)
+            flags = tuple(may_interleave and interleavable(f, rows) for f, rows in groups)
+            plan[layer] = SplitGGUFMethod(groups, int8_activations, flags if any(flags) else ())
         else:
             plan[layer] = DENSE if layer == "embed_tokens" else fallback
             if any(f is not None for f in formats):
@@ -283,6 +321,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.table = Linear(dim, num_embeddings, bias=False, dtype=dtype, method=method)
         self.head_panels: torch.Tensor | None = None
+        self.head_fmt: BlockFormat | None = None  # a tied head's interleaved format, which the table now holds
         self.first_id = first_id
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -293,6 +332,9 @@ class Embedding(nn.Module):
         if packed is not None and packed.panels is not None and self.table.method is DENSE:
             self.head_panels = packed.panels
             self.table.weight = None
+        # A head that interleaved the blocks it shares with the table: rows are read back out of that layout.
+        if isinstance(head.method, GGUFMethod) and head.method.interleave:
+            self.head_fmt = head.method.held_fmt
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
@@ -309,7 +351,10 @@ class Embedding(nn.Module):
             rows = self.head_panels[flat // 32, :, flat % 32, :]
             return rows.reshape(*ids.shape, t.in_features)
         if isinstance(t.method, GGUFMethod):
-            rows = QuantizedWeight(t.qdata[ids.reshape(-1)], t.method.fmt, t.in_features)
+            flat = ids.reshape(-1)
+            blocks = (t.qdata[flat] if self.head_fmt is None else
+                      torch.ops.tandem.gguf_deinterleave16(t.qdata, self.head_fmt.ggml_type, t.in_features, flat))
+            rows = QuantizedWeight(blocks, t.method.fmt, t.in_features)
             return rows.dequantize().to(t.dtype).view(*ids.shape, t.in_features)
         return F.embedding(ids, t.weight)
 

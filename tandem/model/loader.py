@@ -313,8 +313,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: str | torch.device
     local = arch
     if shard is not None and shard.size > 1:
         weights, local = shard_weights(weights, arch, shard), shard_arch(arch, shard)
-    methods = plan_linear_methods({**cls.weight_parts(local), **cls.expert_parts(local)}, weights, dtype,
-                                  torch.device(device), int8_activations=quantization == "gguf-q8")
+    own = cls.weight_parts(local)
+    methods = plan_linear_methods({**own, **cls.expert_parts(local)}, weights, dtype, torch.device(device),
+                                  int8_activations=quantization == "gguf-q8", interleavable_layers=own.keys())
     # Build on the meta device so no time goes into random init that load_weights overwrites.
     with torch.device("meta"):
         net = cls(local, dtype, methods)
