@@ -8,6 +8,8 @@ read's (tandem::stream_read, wide loads over 1 GiB), measured in the same run.
 Kernels, each on weights well past the last-level cache (a layer's matrices are cycled so that no
 call finds its weight in cache):
   q8        gguf_linear_q8: int8 activations (K-quants per 256, llama.cpp's arithmetic)
+  x16       the same on Q4_K and Q6_K blocks interleaved by 16 rows (what `auto` holds on AVX512-VNNI;
+            "-" where this CPU has no kernel for the layout)
   float     gguf_linear: the blocks dequantized in registers, float activations
   dense     small_batch_linear on the same matrix dequantized to bfloat16 (what `auto` serves
             in bfloat16): 3.6x the bytes of Q4_K; without AVX512-BF16, F.linear on it in float32
@@ -29,7 +31,8 @@ from quantization import best
 from rich.console import Console
 from rich.table import Table
 
-from tandem.model.block_formats import NATIVE_FORMATS, BlockFormat
+from tandem.model.block_formats import INTERLEAVED16_FORMATS, NATIVE_FORMATS, BlockFormat
+from tandem.model.linear import interleavable
 from tandem.ops import extension
 
 console = Console(stderr=True)
@@ -104,6 +107,11 @@ def main() -> None:
                 qbytes = n * k // fmt.block_weights * fmt.block_bytes
                 first = random_blocks(fmt, n, k, 0)
                 qs = cycled(lambda i, first=first: first.clone(), qbytes)
+                x16 = None
+                if interleavable(fmt, n):
+                    x16 = [q.clone() for q in qs]
+                    for q in x16:
+                        torch.ops.tandem.gguf_interleave16_(q, fmt.ggml_type, k)
                 dense = torch.ops.tandem.gguf_dequantize(first, fmt.ggml_type, k)
                 if bf16:
                     one = torch.ops.tandem.pack_linear_weight(dense.to(torch.bfloat16))
@@ -124,22 +132,28 @@ def main() -> None:
                             x, w, fmt.ggml_type, k, None), x, qbytes),
                         "dense": kernel_rate(packed, dense_call, x, dense_bytes),
                     }
+                    if x16 is not None:
+                        code = INTERLEAVED16_FORMATS[fmt].ggml_type
+                        rates["x16"] = kernel_rate(x16, lambda x, w, code=code, k=k: torch.ops.tandem.gguf_linear_q8(
+                            x, w, code, k, None), x, qbytes)
                     results.append({"model": model, "format": fmt_name, "layer": name, "shape": [n, k],
                                     "rows": rows, "weight_bytes": qbytes, "bytes_per_s": rates,
                                     "of_bandwidth": {key: v / bw for key, v in rates.items()},
                                     "seconds": {"q8": qbytes / rates["q8"], "float": qbytes / rates["float"],
-                                                "dense": dense_bytes / rates["dense"]}})
-                del qs, packed, one, first
+                                                "dense": dense_bytes / rates["dense"],
+                                                **({"x16": qbytes / rates["x16"]} if "x16" in rates else {})}})
+                del qs, packed, one, first, x16
     dense = "bf16" if bf16 else "f32"
     table = Table(title=f"weight bytes/s over the streaming read ({bw / 1e9:.1f} GB/s); time per call, ms")
-    for col in ("model", "format", "layer", "rows", "q8", "float", f"{dense} (dequantized)", "q8 ms", "float ms",
-                f"{dense} ms"):
+    for col in ("model", "format", "layer", "rows", "q8", "x16", "float", f"{dense} (dequantized)", "q8 ms", "x16 ms",
+                "float ms", f"{dense} ms"):
         table.add_column(col, justify="right")
     for r in results:
         f, s = r["of_bandwidth"], r["seconds"]
-        table.add_row(r["model"], r["format"], r["layer"], str(r["rows"]), f"{f['q8']:.0%}", f"{f['float']:.0%}",
-                      f"{f['dense']:.0%}", f"{s['q8'] * 1e3:.2f}", f"{s['float'] * 1e3:.2f}",
-                      f"{s['dense'] * 1e3:.2f}")
+        x16 = (f"{f['x16']:.0%}", f"{s['x16'] * 1e3:.2f}") if "x16" in f else ("-", "-")
+        table.add_row(r["model"], r["format"], r["layer"], str(r["rows"]), f"{f['q8']:.0%}", x16[0],
+                      f"{f['float']:.0%}", f"{f['dense']:.0%}", f"{s['q8'] * 1e3:.2f}", x16[1],
+                      f"{s['float'] * 1e3:.2f}", f"{s['dense'] * 1e3:.2f}")
     console.print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
