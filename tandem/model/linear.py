@@ -385,6 +385,8 @@ def held_forms(model: nn.Module) -> dict[str, int]:
         forms[form] = forms.get(form, 0) + nbytes
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # A tied head that interleaved the blocks it shares with the embedding's table names their form.
+    linears.sort(key=lambda m: not (isinstance(m.method, GGUFMethod) and m.method.interleave))
     for m in linears:
         for name, t in m.named_buffers():
             part = {"packed.panels": " panels", "packed.packed_weight": " oneDNN"}.get(name, "")

@@ -1,5 +1,5 @@
-// Q4_K and Q6_K weights interleaved by 16 rows, times int8 activations, on AVX512-VNNI (llama.cpp's
-// CPU repack has the idea for its Q4_K x 8 layout; this layout is Tandem's own).
+// Q4_K, Q6_K, Q4_0 and Q8_0 weights interleaved by 16 rows, times int8 activations, on AVX512-VNNI
+// (llama.cpp's CPU repack has the idea for its Q4_0 x 8 and Q4_K x 8 layouts; this layout is Tandem's own).
 //
 // Layout. The rows are cut into groups of 16; a group's super-blocks (256 weights along K) follow one
 // another, and each holds the 16 rows' bytes of that super-block permuted (a byte permutation: the
@@ -8,15 +8,20 @@
 //                          every row) | 32 groups of 64 quant bytes: rows x 4 bytes of qs[4 g .. 4 g + 3]
 //   Q6_K (16 x 210 bytes)  16 fp16 d | 16 planes of the int8 scales | per half of 128 weights, per four
 //                          bytes g: 64 of ql[64 h + 4 g ..], 64 of ql[64 h + 32 + 4 g ..], 64 of qh[32 h + 4 g ..]
+//   Q4_0 (16 x 18 bytes)   16 fp16 d | 4 groups of 64: rows x qs[4 g .. 4 g + 3]
+//   Q8_0 (16 x 34 bytes)   16 fp16 d | 8 groups of 64: rows x qs[4 g .. 4 g + 3]
 // so that a 64-byte load is four quant bytes of each of 16 rows: its low nibbles meet four int8
 // activations broadcast to every lane in one vpdpbusd (u8 x s8, four products summed into each row's
 // int32 lane), its high nibbles the four 32 weights later (Q4_K: the next sub-block). No sum crosses
 // lanes: a tile ends with 16 outputs in one register.
 //
-// Arithmetic. Exactly quant_linear_k8.cpp's per output: each super-block's integer sum (the
-// sub-block scales applied in int32) and offset sum, then acc += (d * dx) * sum and off += (f * dx) *
-// offset in that order, y = acc - off; so an output is the same value through either layout, whatever
-// the batch, the tile or the threads (each row of x runs the same instructions in any tile).
+// Arithmetic. Exactly the stored layout's kernel's per output, so an output is the same value through
+// either layout, whatever the batch, the tile or the threads (each row of x runs the same instructions
+// in any tile). K-quants, quant_linear_k8.cpp's: each super-block's integer sum (the sub-block scales
+// applied in int32) and offset sum, then acc += (d * dx) * sum and off += (f * dx) * offset in that
+// order, y = acc - off. Q4_0 and Q8_0, quant_linear_q8.cpp's (x per 32): acc += (d * dx) * sum and, for
+// Q4_0, off += (-8 d) * sx, y = acc + off; Q8_0's signed quants meet x as q + 128 (vpdpbusd multiplies
+// unsigned bytes), less 128 times x's sum over the block, the same integer.
 //
 // Threads split the groups; rows of x go through a group in tiles of up to four, in blocks of 64 rows
 // (a prompt's int8 rows stay in the L2 cache while every group of a thread's range meets them).
@@ -46,6 +51,10 @@ int64_t interleaved_offset(int64_t r, int64_t i) {
     if (i < 16) return 64 + 16 * (i - 4) + r;
     const int64_t q = i - 16;  // qs byte: pair of chunks c, four bytes g
     return 256 + (q / 4) * 64 + 4 * r + q % 4;
+  } else if constexpr (QT == kQ4_0 || QT == kQ8_0) {
+    if (i < 2) return 2 * r + i;
+    const int64_t q = i - 2;
+    return 32 + (q / 4) * 64 + 4 * r + q % 4;
   } else {
     if (i >= 208) return 2 * r + (i - 208);
     if (i >= 192) return 32 + 16 * (i - 192) + r;
@@ -63,6 +72,8 @@ auto with_x16_format(int64_t qtype, const char* op, F&& f) {
   switch (qtype & ~kInterleaved16) {
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
     default: TORCH_CHECK(false, op, ": no 16-row interleaved layout for ggml type ", qtype & ~kInterleaved16);
   }
 }
@@ -285,16 +296,88 @@ void tile_q6k(const uint8_t* group, const Q8K& a, int64_t K, int64_t m, float* y
   for (int i = 0; i < R; ++i) out[i].store(y + (m + i) * N);
 }
 
+// x's rows quantized per 32 (quant_linear_q8.cpp's values: int8_blocks, the scaled sum d * sum(q)).
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;    // [rows, blocks]
+  std::vector<int32_t> sum;  // [rows, blocks]: sum(q)
+  int64_t nb = 0;
+};
+
+Q8Rows quantize_rows32(const at::Tensor& x) {
+  const int64_t K = x.size(1), M = x.size(0);
+  Q8Rows r;
+  r.nb = K / kChunk;
+  r.q.resize(M * K);
+  r.d.resize(M * r.nb);
+  r.s.resize(M * r.nb);
+  r.sum.resize(M * r.nb);
+  int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
+    for (int64_t b = 0; b < r.nb; ++b) {
+      int8_t* q = r.q.data() + m * K + b * kChunk;
+      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q);
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
+      r.d[m * r.nb + b] = d, r.sum[m * r.nb + b] = sum, r.s[m * r.nb + b] = d * static_cast<float>(sum);
+    }
+  });
+  return r;
+}
+
+// Rows m .. m + R of x times the group's 16 weight rows (Q4_0, Q8_0: one scale per block of 32).
 template <int64_t QT, int R>
-void tile(const uint8_t* group, const Q8K& a, int64_t K, int64_t m, float* y, int64_t N) {
+void tile_32(const uint8_t* group, const Q8Rows& a, int64_t K, int64_t m, float* y, int64_t N) {
+  constexpr int64_t tb = kRows * kBlockBytes<QT>;
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R], off[R];
+  for (int i = 0; i < R; ++i) acc[i] = off[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* t = group + b * tb;
+    prefetch_ahead(t, tb);
+    __m512i s0[R], s1[R];  // two chains of sums, added at the block's end (exact)
+    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int g = 0; g < (QT == kQ4_0 ? 4 : 8); ++g) {
+      const __m512i v = load64(t + 32 + 64 * g);
+      if constexpr (QT == kQ4_0) {
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xq = a.q.data() + (m + i) * K + b * kChunk + 4 * g;
+          s0[i] = _mm512_dpbusd_epi32(s0[i], lo, four(xq));
+          s1[i] = _mm512_dpbusd_epi32(s1[i], hi, four(xq + 16));
+        }
+      } else {
+        const __m512i u = _mm512_xor_si512(v, flip);  // q + 128
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xq = a.q.data() + (m + i) * K + b * kChunk + 4 * g;
+          if (g % 2) s1[i] = _mm512_dpbusd_epi32(s1[i], u, four(xq));
+          else s0[i] = _mm512_dpbusd_epi32(s0[i], u, four(xq));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t xb = (m + i) * a.nb + b;
+      __m512i sum = _mm512_add_epi32(s0[i], s1[i]);
+      if constexpr (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.sum[xb]));
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d[xb])), _mm512_cvtepi32_ps(sum), acc[i]);
+      if constexpr (QT == kQ4_0)
+        off[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-8.0f), d), _mm512_set1_ps(a.s[xb]), off[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + (m + i) * N, _mm512_add_ps(acc[i], off[i]));
+}
+
+template <int64_t QT, int R, typename X>
+void tile(const uint8_t* group, const X& a, int64_t K, int64_t m, float* y, int64_t N) {
   if constexpr (QT == kQ4_K) tile_q4k<R>(group, a, K, m, y, N);
-  else tile_q6k<R>(group, a, K, m, y, N);
+  else if constexpr (QT == kQ6_K) tile_q6k<R>(group, a, K, m, y, N);
+  else tile_32<QT, R>(group, a, K, m, y, N);
 }
 
 constexpr int64_t kRowBlock = 64;
 
-template <int64_t QT>
-void linear_groups(const uint8_t* w, int64_t row_bytes, const Q8K& a, int64_t M, int64_t K, int64_t N, float* y) {
+template <int64_t QT, typename X>
+void linear_groups(const uint8_t* w, int64_t row_bytes, const X& a, int64_t M, int64_t K, int64_t N, float* y) {
   at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t mend = std::min(M, mb + kRowBlock);
@@ -319,9 +402,13 @@ at::Tensor interleaved16_linear_q8(const at::Tensor& x, const at::Tensor& w, int
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(TANDEM_X16_KERNEL)
   if (M == 0) return y;
-  const k8::Q8K a = k8::quantize_rows(x);
   with_x16_format(qtype, "gguf_linear_q8", [&](auto qt) {
-    linear_groups<decltype(qt)::value>(w.data_ptr<uint8_t>(), w.size(1), a, M, K, N, y.data_ptr<float>());
+    constexpr int64_t QT = decltype(qt)::value;
+    if constexpr (QT == kQ4_K || QT == kQ6_K) {
+      linear_groups<QT>(w.data_ptr<uint8_t>(), w.size(1), k8::quantize_rows(x), M, K, N, y.data_ptr<float>());
+    } else {
+      linear_groups<QT>(w.data_ptr<uint8_t>(), w.size(1), quantize_rows32(x), M, K, N, y.data_ptr<float>());
+    }
     return 0;
   });
   return y;
@@ -334,7 +421,7 @@ namespace {
 
 bool interleave16_supported(int64_t qtype) {
 #if defined(TANDEM_X16_KERNEL)
-  return qtype == kQ4_K || qtype == kQ6_K;
+  return qtype == kQ4_K || qtype == kQ6_K || qtype == kQ4_0 || qtype == kQ8_0;
 #else
   (void)qtype;
   return false;

@@ -1,4 +1,4 @@
-// K-quant weights interleaved by 16 rows at load (quant_linear_x16.cpp): Q4_K and Q6_K blocks whose
+// Weights interleaved by 16 rows at load (quant_linear_x16.cpp): Q4_K, Q6_K, Q4_0 and Q8_0 blocks whose
 // bytes are permuted within each group of 16 output rows so that one 64-byte load holds four quant
 // bytes of each of the 16 rows, the layout VNNI's vpdpbusd multiplies against a broadcast of four
 // activations. A qtype with kInterleaved16 set names a weight in this layout.
