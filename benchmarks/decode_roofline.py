@@ -3,9 +3,12 @@ layer loop, side by side in one process (issue #32).
 
     .venv/bin/python benchmarks/decode_roofline.py                          # batches 1-128, contexts 256, 1024
     .venv/bin/python benchmarks/decode_roofline.py --batches 1,8 --contexts 256 --dtype float32
+    .venv/bin/python benchmarks/decode_roofline.py --model ~/.cache/tandem/models/llama-3.2-3b-shape-Q4_K_M.gguf \
+        --batches 1,8,32 --contexts 256          # a model at a real size (benchmarks/model_shapes.py)
 
-The floors are measured here, in this run: the streaming read rate (a sum over 1 GiB) and the
-matmul rate in the model's dtype (F.linear at 1,024 rows of the model's shapes). A step's roofline
+The floors are measured here, in this run: the streaming read rate (a sum over 1 GiB, again before each
+batch and context: a VM's rate can move by half between minutes) and the matmul rate in the model's dtype
+(F.linear at 1,024 rows of the model's shapes). A step's roofline
 is the larger of its bytes at that rate and its FLOPs at the matmul rate. Its bytes are every
 weight it reads once, in the form it reads it (a bf16 linear's panels or oneDNN copy, never both;
 GGUF blocks as stored), plus every request's K/V; its FLOPs are the linears' and attention's. For
@@ -84,6 +87,7 @@ def alternate(llm: LLM, batch: int, context: int, steps: int) -> dict[str, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model name or GGUF file (default: the default model)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--batches", default="1,8,32,128")
@@ -93,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    llm = LLM(None, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(batches),
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(batches),
               max_num_batched_tokens=8192, kv_cache_memory=6.0, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     if model.layer_stack() is None:
@@ -111,13 +115,15 @@ def main() -> None:
     for context in contexts:
         for batch in batches:
             t0 = time.perf_counter()
+            bw = bandwidth()
             nbytes, flops, floor_s = step_floor(llm, batch, context, bw, rate)
             r = alternate(llm, batch, context, args.steps)
-            row = {"batch": batch, "context": context, "bytes": nbytes, "flops": flops,
+            row = {"batch": batch, "context": context, "read_gb_s": bw / 1e9, "bytes": nbytes, "flops": flops,
                    "roofline_ms": floor_s * 1e3, **r, "of_roofline": r["native_ms"] / (floor_s * 1e3),
                    "speedup": r["python_ms"] / r["native_ms"]}
             rows.append(row)
-            console.print(f"  batch {batch} context {context}: native {r['native_ms']:.2f} ms "
+            console.print(f"  batch {batch} context {context} (read {bw / 1e9:.1f} GB/s): "
+                          f"native {r['native_ms']:.2f} ms "
                           f"({row['of_roofline']:.2f}x roofline), python {r['python_ms']:.2f} ms "
                           f"({time.perf_counter() - t0:.0f} s)")
             table.add_row(str(batch), str(context), f"{row['roofline_ms']:.2f}", f"{r['native_ms']:.2f}",

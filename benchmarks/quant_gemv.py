@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantization import best
+from quantization import bandwidth, best
 from rich.console import Console
 from rich.table import Table
 
@@ -64,11 +64,6 @@ def random_blocks(fmt: BlockFormat, out_features: int, in_features: int, seed: i
     for off in offsets:
         data[:, :, off:off + 2] = scale
     return torch.from_numpy(data.reshape(out_features, nb * fmt.block_bytes))
-
-
-def bandwidth() -> float:
-    buf = torch.ones(1 << 30, dtype=torch.uint8)
-    return buf.numel() / best(lambda: torch.ops.tandem.stream_read(buf), reps=7, min_s=0.0)
 
 
 def cycled(make, nbytes: int) -> list:  # noqa: ANN001

@@ -34,6 +34,7 @@ from tandem.engine.request import Request
 from tandem.model.linear import Linear, weight_bytes
 from tandem.model.quant import QuantizedWeight, reference_linear
 from tandem.model.scoring import agreed_prefix, perplexity
+from tandem.ops import extension
 from tandem.sampling_params import SamplingParams
 
 console = Console(stderr=True)
@@ -56,7 +57,11 @@ def best(fn: Callable[[], object], reps: int = 5, min_s: float = 0.2) -> float:
 
 
 def bandwidth() -> float:
-    """Bytes per second of a streaming read (sum of 1 GiB of float32)."""
+    """Bytes per second of a native streaming read of 1 GiB (tandem::stream_read: wide loads, several
+    accumulators per thread); a sum of float32 where the kernels are not built."""
+    if extension.load_extension():
+        buf = torch.ones(1 << 30, dtype=torch.uint8)
+        return buf.numel() / best(lambda: torch.ops.tandem.stream_read(buf), reps=7, min_s=0.0)
     x = torch.ones(2**28)
     return x.numel() * 4 / best(lambda: x.sum(), reps=5, min_s=0.0)
 
