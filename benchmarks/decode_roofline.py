@@ -41,8 +41,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_roofline.json"
 
 def bytes_read(linear: Linear) -> int:
     """The bytes one product with this layer reads: its weight in the one form a step uses."""
-    if hasattr(linear, "qdata"):
-        return linear.qdata.numel()
+    blocks = [b for name, b in linear.named_buffers() if name.startswith("qdata")]  # gguf, gguf-split's runs
+    if blocks:
+        return sum(b.numel() for b in blocks)
     return linear.in_features * linear.out_features * torch.tensor([], dtype=linear.dtype).element_size()
 
 
