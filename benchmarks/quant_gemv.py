@@ -48,7 +48,6 @@ MODELS = {
 FORMATS = {"Q4_K": ["qkv", "o", "gate_up", "down"], "Q6_K": ["down", "lm_head"], "Q4_0": ["gate_up"],
            "Q8_0": ["gate_up"]}
 MIN_BYTES = 1 << 30  # each kernel's weights cycled over at least this many bytes
-ROUNDS = 3
 
 
 def fmt_named(name: str) -> BlockFormat:
@@ -86,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1b,3b")
     ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=2, help="the kernels in turn, the best of this many rounds each")
     args = ap.parse_args()
     assert extension.load_extension(), "the kernels did not build"
     torch.manual_seed(0)
@@ -132,10 +132,10 @@ def main() -> None:
                         code = INTERLEAVED16_FORMATS[fmt].ggml_type
                         calls["x16"] = (x16, lambda x, w, code=code, k=k: torch.ops.tandem.gguf_linear_q8(
                             x, w, code, k, None), qbytes)
-                    # The kernels in turn, the best of ROUNDS rounds each: a VM's read rate moves between
+                    # The kernels in turn, the best of --rounds rounds each: a VM's read rate moves between
                     # minutes, and a comparison should not hinge on which kernel ran when.
                     rates = {key: 0.0 for key in calls}
-                    for _ in range(ROUNDS):
+                    for _ in range(args.rounds):
                         for key, (weights, call, nbytes) in calls.items():
                             rates[key] = max(rates[key], kernel_rate(weights, call, x, nbytes))
                     results.append({"model": model, "format": fmt_name, "layer": name, "shape": [n, k],
