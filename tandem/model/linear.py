@@ -12,8 +12,8 @@ model is built with every layer in its final form: no module is swapped after lo
   gguf-split  a fused layer whose parts the file holds in different formats (a Q4_K_M file's q and k
               in Q4_K, v in Q6_K): each run of parts in one format as its own blocks, the outputs side
               by side
-With int8 activations on a CPU with AVX512-VNNI, Q4_K and Q6_K blocks are interleaved by 16 rows once
-loaded (in place: the same bytes, permuted), the layout ops/quant_linear_x16.cpp's kernel streams.
+With int8 activations on a CPU with AVX512-VNNI, Q4_K, Q6_K, Q4_0 and Q8_0 blocks are interleaved by 16
+rows once loaded (in place: the same bytes, permuted), the layout ops/quant_linear_x16.cpp's kernel streams.
 """
 
 from __future__ import annotations

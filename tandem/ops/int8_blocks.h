@@ -27,6 +27,15 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q) {
   return scale;
 }
 
+// The same, and the sum of the block's int8 values (ggml's Q8_1 keeps d * sum beside d).
+template <typename T>
+inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t& sum) {
+  const float scale = quantize_block(x, n, q);
+  sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += q[i];
+  return scale;
+}
+
 // Calls f(row pointer, m) for each row of x (float32 or bfloat16), rows split across threads.
 template <typename F>
 inline void for_each_row(const at::Tensor& x, F&& f) {

@@ -77,9 +77,8 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
     for (int64_t b = 0; b < r.nb; ++b) {
       int8_t* q = r.q.data() + m * K + b * kChunk;
-      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q);
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
+      int32_t sum;
+      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q, sum);
       r.d_by_block[b * r.M + m] = d;
       r.s_by_block[b * r.M + m] = d * static_cast<float>(sum);
     }

@@ -315,9 +315,8 @@ Q8Rows quantize_rows32(const at::Tensor& x) {
   int8_blocks::for_each_row(x, [&](const auto* row, int64_t m) {
     for (int64_t b = 0; b < r.nb; ++b) {
       int8_t* q = r.q.data() + m * K + b * kChunk;
-      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q);
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kChunk; ++i) sum += q[i];
+      int32_t sum;
+      const float d = int8_blocks::quantize_block(row + b * kChunk, kChunk, q, sum);
       r.d[m * r.nb + b] = d, r.sum[m * r.nb + b] = sum, r.s[m * r.nb + b] = d * static_cast<float>(sum);
     }
   });
