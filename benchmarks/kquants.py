@@ -26,7 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem import LLM
-from tandem.model.linear import GGUFMethod, weight_bytes, weight_formats
+from tandem.model.held_weights import weight_bytes, weight_formats
+from tandem.model.linear import GGUFMethod
 from tandem.model.quant import QuantizedWeight
 
 console = Console(stderr=True)

@@ -31,7 +31,8 @@ from tandem import LLM
 from tandem.config import parse_dtype
 from tandem.engine.kv_layout import engine_kv_layout
 from tandem.engine.request import Request
-from tandem.model.linear import Linear, weight_bytes
+from tandem.model.held_weights import weight_bytes
+from tandem.model.linear import Linear
 from tandem.model.quant import QuantizedWeight, reference_linear
 from tandem.model.scoring import agreed_prefix, perplexity
 from tandem.ops import extension

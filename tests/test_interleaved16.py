@@ -17,12 +17,12 @@ from tandem import SamplingParams
 from tandem.model import linear as linear_methods
 from tandem.model import quant
 from tandem.model.block_formats import INTERLEAVED16_FORMATS, Q4_0, Q4_K, Q6_K, Q8_0, BlockFormat
+from tandem.model.held_weights import held_forms
 from tandem.model.linear import (
     Embedding,
     GGUFMethod,
     Linear,
     SplitGGUFMethod,
-    held_forms,
     interleavable,
     plan_linear_methods,
 )

@@ -31,7 +31,8 @@ from tandem.model.block_formats import (
     BlockFormat,
     torch_dequantize,
 )
-from tandem.model.linear import GGUFMethod, interleavable, weight_bytes
+from tandem.model.held_weights import weight_bytes
+from tandem.model.linear import GGUFMethod, interleavable
 from tandem.model.quant import QuantizedWeight
 from tandem.ops import extension
 

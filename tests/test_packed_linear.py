@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.model.linear import DENSE, Embedding, Linear, PackedBf16Method, held_forms, weight_bytes
+from tandem.model.held_weights import held_forms, weight_bytes
+from tandem.model.linear import DENSE, Embedding, Linear, PackedBf16Method
 from tandem.model.packed_linear import (
     SMALL_BATCH_ROWS,
     PackedLinear,

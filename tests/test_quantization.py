@@ -11,7 +11,8 @@ import torch
 
 from tandem import SamplingParams
 from tandem.model.block_formats import Q4_1, Q8_0
-from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods, weight_bytes
+from tandem.model.held_weights import weight_bytes
+from tandem.model.linear import DENSE, GGUFMethod, plan_linear_methods
 from tandem.model.loader import ModelLoadError, load_model, resolve_quantization
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight

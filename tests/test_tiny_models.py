@@ -38,7 +38,7 @@ from transformers import (
 
 from tandem import SamplingParams
 from tandem.model.attention import build_attention_metadata
-from tandem.model.linear import weight_formats
+from tandem.model.held_weights import weight_formats
 from tandem.model.loader import load_model
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

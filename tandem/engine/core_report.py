@@ -86,7 +86,7 @@ class CoreInfo:
 def core_info(core: EngineCore, loaded: LoadedModel) -> CoreInfo:
     """loaded: the model the core runs."""
     from tandem.engine.kv_layout import engine_kv_layout
-    from tandem.model.linear import weight_bytes, weight_formats
+    from tandem.model.held_weights import weight_bytes, weight_formats
 
     cache = core.config.cache
     per_token = engine_kv_layout(core.config, loaded.arch).bytes_per_token(loaded.arch)

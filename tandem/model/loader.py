@@ -27,7 +27,8 @@ from tandem.model.arch import ArchConfig, token_ids
 from tandem.model.block_formats import native_format
 from tandem.model.causal_lm import CausalLM
 from tandem.model.fingerprint import weights_fingerprint
-from tandem.model.linear import Weight, held_forms, plan_linear_methods
+from tandem.model.held_weights import held_forms
+from tandem.model.linear import Weight, plan_linear_methods
 from tandem.model.packed_linear import packing_supported
 from tandem.model.quant import QuantizedWeight
 from tandem.model.registry import ModelFamily, family_for_gguf, family_for_hf, family_of

@@ -158,7 +158,7 @@ class SparseMoE(nn.Module):
         return out
 
     def held_stacks(self) -> list[tuple[str, torch.Tensor]]:
-        """The expert stacks by the form they are held in (linear.held_forms)."""
+        """The expert stacks by the form they are held in (held_weights.held_forms)."""
         return [(f"{self.method13.name} experts", self.w13), (f"{self.method2.name} experts", self.w2)]
 
     def slot_tensors(self) -> list[torch.Tensor]:
