@@ -201,12 +201,14 @@ void tile_q4k(const uint8_t* group, const Q8K& a, int64_t K, int64_t m, float* y
       sc[j + 4] = _mm_or_si128(_mm_and_si128(p[j + 8], m4), hs);
       mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(p[j + 8], 4), m4), hm);
     }
+    __m512i mins[4];  // each row's mins of sub-blocks 2 s, 2 s + 1 as one lane's int16 pair
+    for (int s = 0; s < 4; ++s) mins[s] = plane_pairs(mn[2 * s], mn[2 * s + 1], false);
     __m512i sums[R], offs[R];
     for (int i = 0; i < R; ++i) {
       const int16_t* bs = a.bsum16.data() + ((m + i) * a.nb + b) * 16;
       offs[i] = _mm512_setzero_si512();
       for (int s = 0; s < 4; ++s)  // sum over sub-blocks of min * (x's sum over it)
-        offs[i] = _mm512_dpwssd_epi32(offs[i], plane_pairs(mn[2 * s], mn[2 * s + 1], false),
+        offs[i] = _mm512_dpwssd_epi32(offs[i], mins[s],
                                       pair16(bs[4 * s] + bs[4 * s + 1], bs[4 * s + 2] + bs[4 * s + 3]));
       sums[i] = _mm512_setzero_si512();
     }
@@ -248,13 +250,14 @@ void tile_q6k(const uint8_t* group, const Q8K& a, int64_t K, int64_t m, float* y
     prefetch_ahead(t, tb);
     __m128i sp[16];
     for (int s = 0; s < 16; ++s) sp[s] = load16(t + 32 + 16 * s);
+    __m512i scales[8];  // each row's scales of groups 2 s, 2 s + 1 as one lane's int16 pair
+    for (int s = 0; s < 8; ++s) scales[s] = plane_pairs(sp[2 * s], sp[2 * s + 1], true);
     __m512i sums[R], offs[R];
     for (int i = 0; i < R; ++i) {
       const int16_t* bs = a.bsum16.data() + ((m + i) * a.nb + b) * 16;
       offs[i] = _mm512_setzero_si512();
       for (int s = 0; s < 8; ++s)  // sum over groups of 16 of scale * (x's sum over it)
-        offs[i] = _mm512_dpwssd_epi32(offs[i], plane_pairs(sp[2 * s], sp[2 * s + 1], true),
-                                      pair16(bs[2 * s], bs[2 * s + 1]));
+        offs[i] = _mm512_dpwssd_epi32(offs[i], scales[s], pair16(bs[2 * s], bs[2 * s + 1]));
       sums[i] = _mm512_setzero_si512();
     }
     for (int h = 0; h < 2; ++h)
